@@ -1,0 +1,108 @@
+"""``grpo`` command line. User errors print one line and exit with code 2; nothing is written before validation."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from grpo.errors import GRPOPlatformError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="GRPO experiment platform: config-driven GRPO training on TRL.",
+)
+
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Experiment YAML (default: built-in tiny preset).")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a field: section.field=value (repeatable).")]
+RewardModuleOpt = Annotated[
+    Optional[list[Path]], typer.Option("--reward-module", help="Python file registering reward functions (repeatable).")
+]
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=2)
+
+
+def _load(config: Path | None, overrides: list[str] | None, reward_modules: list[Path] | None):
+    from grpo.config import load_config
+    from grpo.rewards import load_reward_module
+
+    for module in reward_modules or []:
+        load_reward_module(module)
+    return load_config(config, overrides or [])
+
+
+@app.command()
+def run(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    run_name: Annotated[Optional[str], typer.Option("--run-name", help="Run directory name (default: <name>-<time>).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an existing run from its last checkpoint.")] = False,
+    reward_module: RewardModuleOpt = None,
+) -> None:
+    """Prepare data, build the policy, train with GRPO and evaluate before/after."""
+    try:
+        cfg = _load(config, set_, reward_module)
+        from grpo.runs import default_run_name, open_run_dir
+
+        if resume and not run_name:
+            _fail("--resume needs --run-name NAME of the run to continue")
+        run_dir = open_run_dir(cfg, run_name or default_run_name(cfg), resume)
+        typer.echo(f"run: {run_dir.path}")
+        from grpo.experiment import run_experiment
+
+        summary = run_experiment(cfg, run_dir, resume=resume, log=typer.echo)
+    except GRPOPlatformError as err:
+        _fail(str(err))
+    before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]
+    if before is not None and after is not None:
+        typer.echo(f"accuracy {before:.3f} -> {after:.3f} ({after - before:+.3f}) in {summary['wall_seconds']:.0f}s")
+    typer.echo(f"summary: {run_dir.summary_file}")
+
+
+@app.command()
+def validate(config: ConfigOpt = None, set_: SetOpt = None, reward_module: RewardModuleOpt = None) -> None:
+    """Check a config without building anything; prints the resolved YAML."""
+    try:
+        cfg = _load(config, set_, reward_module)
+    except GRPOPlatformError as err:
+        _fail(str(err))
+    from grpo.config import to_yaml
+
+    typer.echo(to_yaml(cfg), nl=False)
+
+
+@app.command()
+def rewards(reward_module: RewardModuleOpt = None) -> None:
+    """List registered reward functions."""
+    from grpo.rewards import available_rewards, get_reward, load_reward_module
+
+    try:
+        for module in reward_module or []:
+            load_reward_module(module)
+    except GRPOPlatformError as err:
+        _fail(str(err))
+    for name in available_rewards():
+        doc = (get_reward(name).__doc__ or "").strip().splitlines()
+        typer.echo(f"{name:20s} {doc[0] if doc else ''}")
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        app()
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,449 @@
+"""The experiment config: one pydantic model, loaded from YAML, validated before anything is built.
+
+Field names follow ``trl.GRPOConfig`` (section ``grpo``) and axolotl's async ``trl:`` block (section ``async``), so
+settings carry over. Every rule that can be checked without a model is checked here; a bad value fails at load
+with the field's dotted path and the valid values.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from grpo.errors import ConfigError
+
+LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
+ScaleRewards = Literal["group", "batch", "none"]
+ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class DataConfig(_Section):
+    """Where prompts and answers come from. ``synthetic:addition`` is generated locally (no download)."""
+
+    source: str = Field(
+        "synthetic:addition",
+        description="'synthetic:addition', a local .jsonl/.json/.parquet/.csv file, or 'hub:<dataset id>' (downloads).",
+    )
+    hub_config: str | None = Field(None, description="Dataset config name for hub sources (e.g. 'main' for GSM8K).")
+    train_split: str = Field("train", description="Split used for training (hub sources).")
+    eval_split: str = Field("test", description="Held-out split used for evaluation (hub sources).")
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="Held-out fraction for single-file sources.")
+    prompt_column: str = Field("prompt", description="Column holding the prompt text.")
+    answer_column: str = Field("answer", description="Column holding the reference answer.")
+    answer_regex: str | None = Field(
+        None, description="Regex with one group extracting the final answer from the answer column (GSM8K: '#### (.*)')."
+    )
+    prompt_format: Literal["plain", "chat"] = Field("plain", description="'chat' wraps prompts as user messages.")
+    system_prompt: str | None = Field(None, description="System message prepended in chat format.")
+    num_train: int = Field(5000, ge=1, description="Synthetic task: training problems.")
+    num_eval: int = Field(500, ge=1, description="Synthetic task: held-out problems.")
+    max_operand: int = Field(99, ge=1, le=9999, description="Synthetic task: operands are 0..max_operand.")
+    seed: int = Field(0, description="Synthetic task / split seed.")
+
+    @model_validator(mode="after")
+    def _source_exists(self) -> DataConfig:
+        s = self.source
+        if s.startswith("synthetic:"):
+            if s != "synthetic:addition":
+                raise ValueError(f"source: unknown synthetic task {s!r}; valid: 'synthetic:addition'")
+        elif s.startswith("hub:"):
+            if len(s) <= 4:
+                raise ValueError("source: 'hub:' needs a dataset id, e.g. 'hub:openai/gsm8k'")
+        else:
+            path = Path(s)
+            if path.suffix not in {".jsonl", ".json", ".parquet", ".csv"}:
+                raise ValueError(
+                    f"source: {s!r} is not a valid source; valid are 'synthetic:addition', 'hub:<id>' "
+                    "or a .jsonl/.json/.parquet/.csv file"
+                )
+            if not path.is_file():
+                raise ValueError(f"source: file does not exist: {s}")
+        if self.synthetic and self.num_train + self.num_eval > (self.max_operand + 1) ** 2:
+            raise ValueError(
+                f"num_train: num_train + num_eval = {self.num_train + self.num_eval} exceeds the "
+                f"{(self.max_operand + 1) ** 2} distinct problems with max_operand={self.max_operand}"
+            )
+        return self
+
+    @property
+    def synthetic(self) -> bool:
+        return self.source.startswith("synthetic:")
+
+
+class TinyModelConfig(_Section):
+    """Shape of the locally built character-level Qwen2 (used when ``model.name_or_path`` is ``tiny``)."""
+
+    hidden_size: int = Field(128, ge=8)
+    num_hidden_layers: int = Field(3, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    intermediate_size: int = Field(256, ge=8)
+    max_position_embeddings: int = Field(64, ge=8)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size: {self.hidden_size} must be divisible by num_attention_heads ({self.num_attention_heads})"
+            )
+        return self
+
+
+class WarmStartConfig(_Section):
+    """Supervised steps on (prompt, answer) before GRPO, so groups have reward variance to learn from."""
+
+    steps: int = Field(350, ge=0, description="0 disables the warm start.")
+    learning_rate: float = Field(1e-3, gt=0)
+    batch_size: int = Field(64, ge=1)
+
+
+class ModelConfig(_Section):
+    name_or_path: str = Field(
+        "tiny", description="'tiny' builds a local character-level Qwen2; anything else is a hub id or local path."
+    )
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    attn_implementation: str | None = Field(None, description="e.g. 'sdpa', 'flash_attention_2' (GPU).")
+    tiny: TinyModelConfig = TinyModelConfig()
+    warm_start: WarmStartConfig = WarmStartConfig()
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.name_or_path == "tiny"
+
+
+class SamplingConfig(_Section):
+    """How prompts are laid out over ranks (sequence-parallel repeat sampler) and balanced after generation."""
+
+    world_size: int = Field(1, ge=1, description="Number of training processes (accelerate/torchrun).")
+    sequence_parallel_degree: int = Field(1, ge=1, description="Ranks sharing one prompt's sequences.")
+    shuffle: bool = True
+    drop_last: bool = False
+    seqlen_balancing: bool = Field(False, description="Assign whole groups to DP ranks by balanced token load.")
+    balance_quadratic_coef: float | None = Field(
+        None, ge=0, description="Workload a*L + L^2 per sequence instead of L tokens (attention cost)."
+    )
+
+    @model_validator(mode="after")
+    def _sp_divides(self) -> SamplingConfig:
+        if self.world_size % self.sequence_parallel_degree:
+            raise ValueError(
+                f"sequence_parallel_degree: world_size ({self.world_size}) must be divisible by sequence_parallel_degree "
+                f"({self.sequence_parallel_degree}); valid degrees: "
+                f"{[d for d in range(1, self.world_size + 1) if self.world_size % d == 0]}"
+            )
+        return self
+
+
+class GRPOSection(_Section):
+    """GRPO training; every name is the ``trl.GRPOConfig`` field of the same name."""
+
+    learning_rate: float = Field(1e-4, gt=0)
+    max_steps: int = Field(400, ge=1, description="Optimizer steps.")
+    per_device_train_batch_size: int = Field(32, ge=1, description="Completions per device per micro-step.")
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    num_generations: int = Field(8, ge=2, description="Completions per prompt (the group size).")
+    generation_batch_size: int | None = Field(None, ge=1, description="Completions generated at once (all ranks).")
+    steps_per_generation: int | None = Field(None, ge=1)
+    num_iterations: int = Field(1, ge=1, description="Optimisation passes per generation batch (mu).")
+    beta: float = Field(0.0, ge=0, description="KL coefficient; 0 skips the reference model.")
+    epsilon: float = Field(0.2, gt=0)
+    epsilon_high: float | None = Field(None, gt=0)
+    delta: float | None = Field(None, gt=0)
+    loss_type: LossType = "dapo"
+    scale_rewards: ScaleRewards = "group"
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    mask_truncated_completions: bool = False
+    max_completion_length: int = Field(4, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    reward_funcs: list[str] = Field(["exact_match"], min_length=1, description="Registered reward names.")
+    reward_weights: list[float] | None = None
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    num_generations_chunks: int = Field(1, ge=1, description="Backward per chunk of each group's completions.")
+    lr_scheduler_type: str = "constant"
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    logging_steps: int = Field(10, ge=1)
+    save_steps: int = Field(100, ge=1, description="Checkpoint every N steps (resume point).")
+    save_total_limit: int | None = Field(2, ge=1)
+    seed: int = 0
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    use_vllm: bool = False
+    vllm_mode: Literal["server", "colocate"] = "colocate"
+    vllm_server_host: str = "127.0.0.1"
+    vllm_server_port: int = 8000
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    log_completions: bool = False
+    extra: dict[str, Any] = Field(
+        default_factory=dict, description="Any other trl.GRPOConfig field, passed through unchanged."
+    )
+
+
+class AsyncSection(_Section):
+    """Async GRPO and the fast-async toolkit; names as in axolotl's ``trl:`` block."""
+
+    use_data_producer: bool = False
+    async_prefetch: bool = False
+    prefetch_depth: int = Field(1, ge=1)
+    vllm_sync_interval: int = Field(1, ge=1)
+    max_staleness: int = Field(1, ge=0, description="Rollouts older than this many policy versions are regenerated.")
+    streaming_partial_batch: bool = False
+    streaming_min_groups: int = Field(1, ge=1)
+    vllm_importance_sampling_correction: bool = False
+    vllm_importance_sampling_mode: ISMode = "token_truncate"
+    vllm_importance_sampling_cap: float = Field(2.0, gt=0)
+    off_policy_mask_threshold: float | None = Field(None, ge=0)
+    use_bias_correction_kl: bool = False
+    reward_num_workers: int = Field(1, ge=1)
+    reward_timeout: float | None = Field(None, gt=0, description="Seconds per reward call in the worker pool.")
+    replay_buffer_size: int = Field(0, ge=0)
+    replay_recompute_logps: bool = True
+    reroll_start_fraction: float = Field(1.0, ge=0, le=1, description="1.0 disables deferred re-roll.")
+    reroll_max_groups: int = Field(1, ge=1)
+    skip_zero_advantage_batches: bool = False
+
+
+class EvaluationConfig(_Section):
+    enabled: bool = True
+    before_training: bool = True
+    num_prompts: int | None = Field(None, ge=1, description="Evaluate on the first N held-out prompts (all if unset).")
+    batch_size: int = Field(256, ge=1)
+    pass_k: int = Field(8, ge=0, description="k for pass@k with sampling; 0 skips it.")
+    pass_k_temperature: float = Field(1.0, gt=0)
+    correctness_reward: str = Field("exact_match", description="Reward whose full marks (>= 1) count as correct.")
+
+
+class TrackingConfig(_Section):
+    backend: Literal["none", "mlflow"] = "none"
+    experiment_name: str = "grpo"
+    tracking_uri: str | None = Field(None, description="Defaults to MLFLOW_TRACKING_URI or a local SQLite store.")
+    log_system_metrics: bool = True
+    log_model: bool = True
+
+
+class ExperimentConfig(_Section):
+    """One GRPO experiment: data → model → sampling → GRPO training → evaluation, tracked."""
+
+    name: str = Field("tiny", description="Experiment name; default prefix of run names.")
+    output_dir: str = Field("runs", description="Run directories are created under this folder.")
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    grpo: GRPOSection = GRPOSection()
+    async_: AsyncSection = Field(AsyncSection(), alias="async")
+    evaluation: EvaluationConfig = EvaluationConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> ExperimentConfig:
+        from grpo.rewards import available_rewards
+
+        g, s, a = self.grpo, self.sampling, self.async_
+        known = available_rewards()
+        for field, names in (("grpo.reward_funcs", g.reward_funcs), ("evaluation.correctness_reward", [self.evaluation.correctness_reward])):
+            for name in names:
+                if name not in known:
+                    raise ValueError(f"{field}: unknown reward {name!r}; registered rewards: {', '.join(known)}")
+        if g.reward_weights is not None and len(g.reward_weights) != len(g.reward_funcs):
+            raise ValueError(
+                f"grpo.reward_weights has {len(g.reward_weights)} values but grpo.reward_funcs has {len(g.reward_funcs)}"
+            )
+        if g.generation_batch_size is not None and g.steps_per_generation is not None:
+            raise ValueError("grpo.generation_batch_size and grpo.steps_per_generation can not both be set; set one")
+        global_batch = g.per_device_train_batch_size * s.world_size
+        if g.generation_batch_size is not None and g.generation_batch_size % global_batch:
+            raise ValueError(
+                f"grpo.generation_batch_size ({g.generation_batch_size}) must be divisible by the global batch "
+                f"per_device_train_batch_size x sampling.world_size = {global_batch}"
+            )
+        gen_batch = self.generation_batch_size
+        if gen_batch % g.num_generations:
+            raise ValueError(
+                f"generation batch ({gen_batch} completions) must be divisible by grpo.num_generations "
+                f"({g.num_generations}); valid num_generations: {[n for n in range(2, gen_batch + 1) if gen_batch % n == 0]}"
+            )
+        if g.num_generations % g.num_generations_chunks:
+            raise ValueError(
+                f"grpo.num_generations ({g.num_generations}) must be divisible by grpo.num_generations_chunks "
+                f"({g.num_generations_chunks}); valid: {[c for c in range(1, g.num_generations + 1) if g.num_generations % c == 0]}"
+            )
+        if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
+            raise ValueError(f"grpo.epsilon_high ({g.epsilon_high}) must be >= grpo.epsilon ({g.epsilon})")
+        if g.loss_type == "luspo" and g.importance_sampling_level != "sequence":
+            raise ValueError("grpo.loss_type 'luspo' requires grpo.importance_sampling_level: sequence")
+        if g.use_vllm and importlib.util.find_spec("vllm") is None:
+            raise ValueError("grpo.use_vllm: vllm is not installed; install the 'gpu' extra (pip install -e '.[gpu]')")
+        if a.streaming_partial_batch and g.scale_rewards == "batch":
+            raise ValueError(
+                "async.streaming_partial_batch with grpo.scale_rewards 'batch' is not supported: streamed groups are "
+                "scored before the whole batch exists; use scale_rewards 'group' or 'none'"
+            )
+        if self.model.is_tiny and self.data.prompt_format == "chat":
+            raise ValueError("model.name_or_path 'tiny' has no chat template; use data.prompt_format: plain")
+        if self.model.is_tiny and self.model.tiny.max_position_embeddings < g.max_completion_length + 8:
+            raise ValueError(
+                f"model.tiny.max_position_embeddings ({self.model.tiny.max_position_embeddings}) is too small for "
+                f"grpo.max_completion_length ({g.max_completion_length}) plus a prompt"
+            )
+        self._reject_unbuilt_features()
+        return self
+
+    def _reject_unbuilt_features(self) -> None:
+        """Fields whose feature is not in this version yet: accepted at their defaults, refused when switched on."""
+        a = self.async_
+        pending = {
+            "async.use_data_producer": a.use_data_producer,
+            "async.async_prefetch": a.async_prefetch,
+            "async.streaming_partial_batch": a.streaming_partial_batch,
+            "async.vllm_importance_sampling_correction": a.vllm_importance_sampling_correction,
+            "async.off_policy_mask_threshold": a.off_policy_mask_threshold is not None,
+            "async.use_bias_correction_kl": a.use_bias_correction_kl,
+            "async.reward_num_workers": a.reward_num_workers > 1,
+            "async.replay_buffer_size": a.replay_buffer_size > 0,
+            "async.reroll_start_fraction": a.reroll_start_fraction < 1.0,
+            "sampling.seqlen_balancing": self.sampling.seqlen_balancing,
+            "sampling.sequence_parallel_degree": self.sampling.sequence_parallel_degree > 1,
+            "sampling.world_size": self.sampling.world_size > 1,
+            "tracking.backend": self.tracking.backend != "none",
+        }
+        on = [k for k, v in pending.items() if v]
+        if on:
+            raise ValueError(
+                f"{', '.join(on)}: not available in this version of the platform yet (leave at the default)"
+            )
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions generated per generation round across all ranks (TRL's derivation)."""
+        g = self.grpo
+        if g.generation_batch_size is not None:
+            return g.generation_batch_size
+        steps = g.steps_per_generation or g.gradient_accumulation_steps
+        return g.per_device_train_batch_size * self.sampling.world_size * steps
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if p != "__root__")
+        if e["type"] == "extra_forbidden":
+            parts.append(f"{loc}: unknown field{_suggest(e['loc'])}")
+        elif e["type"] == "missing":
+            parts.append(f"{loc}: required field missing")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            head, sep, rest = msg.partition(": ")
+            if sep and loc and head.isidentifier():  # "source: ..." raised inside section "data" -> "data.source: ..."
+                loc, msg = f"{loc}.{head}", rest
+            got = e.get("input")
+            shown = f" (got {got!r})" if got is not None and not isinstance(got, dict) and e["type"] != "value_error" else ""
+            parts.append(f"{loc}: {msg}{shown}" if loc else msg)
+    return "; ".join(parts)
+
+
+def _suggest(loc: tuple) -> str:
+    model: type[BaseModel] = ExperimentConfig
+    for part in loc[:-1]:
+        fields = {f.alias or n: f for n, f in model.model_fields.items()}
+        field = fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return ""
+        model = field.annotation
+    names = [f.alias or n for n, f in model.model_fields.items()]
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f"; valid fields: {', '.join(names)}"
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``grpo.learning_rate=3e-4`` -> (["grpo", "learning_rate"], 0.0003); values are parsed as YAML scalars."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value, e.g. grpo.learning_rate=3e-4")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {part} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def config_from_dict(data: dict, source: str = "config") -> ExperimentConfig:
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"{source}: {_format_validation_error(err)}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read YAML (or the built-in defaults when ``path`` is None), apply ``--set`` overrides, validate."""
+    data: dict = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"{path}: YAML syntax error{where}: {problem}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections (data, model, grpo, ...)")
+        data = loaded
+    data = apply_overrides(data, overrides or [])
+    return config_from_dict(data, source)
+
+
+def to_yaml(config: ExperimentConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json", by_alias=True), sort_keys=False)
+
+
+def flatten(config: ExperimentConfig) -> dict[str, Any]:
+    """Dotted keys for every field (e.g. ``grpo.learning_rate``): MLflow params and sweep spaces use these."""
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = value
+
+    walk("", config.model_dump(mode="json", by_alias=True))
+    return out

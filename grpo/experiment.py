@@ -1,0 +1,90 @@
+"""The whole experiment as one recipe, read top to bottom: data → policy → eval before → GRPO → eval after.
+
+Each stage is a plain function, callable without Prefect; the Prefect flows in ``flows/`` wrap the same functions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from datasets import DatasetDict
+
+from grpo.config import ExperimentConfig
+from grpo.data import load_task_data
+from grpo.evaluation import EvalResult, evaluate_policy
+from grpo.policy import Policy, load_policy
+from grpo.rewards import get_reward
+from grpo.runs import RunDir
+from grpo.train import train_grpo
+
+
+def evaluate(cfg: ExperimentConfig, policy: Policy, data: DatasetDict) -> EvalResult:
+    ev = data["eval"]
+    if cfg.evaluation.num_prompts is not None:
+        ev = ev.select(range(min(cfg.evaluation.num_prompts, len(ev))))
+    return evaluate_policy(
+        policy.model,
+        policy.tokenizer,
+        list(ev["prompt"]),
+        list(ev["answer"]),
+        get_reward(cfg.evaluation.correctness_reward),
+        max_new_tokens=cfg.grpo.max_completion_length,
+        batch_size=cfg.evaluation.batch_size,
+        pass_k=cfg.evaluation.pass_k,
+        pass_k_temperature=cfg.evaluation.pass_k_temperature,
+        seed=cfg.grpo.seed,
+    )
+
+
+def _eval_record(result: EvalResult) -> dict:
+    return {"accuracy": result.accuracy, f"pass@{result.k}": result.pass_at_k, "num_prompts": result.num_prompts,
+            "samples": result.samples}
+
+
+def run_experiment(
+    cfg: ExperimentConfig, run: RunDir, resume: bool = False, log: Callable[[str], None] = print
+) -> dict:
+    """Run every stage into ``run`` and return the summary (also written to ``summary.json``)."""
+    started = time.perf_counter()
+
+    data = load_task_data(cfg.data)
+    log(f"data: {len(data['train'])} train / {len(data['eval'])} eval prompts from {cfg.data.source}")
+
+    policy = load_policy(cfg, data, log=log)
+
+    before = run.read_json("eval_before.json") if resume else None
+    if before is None and cfg.evaluation.enabled and cfg.evaluation.before_training:
+        before = _eval_record(evaluate(cfg, policy, data))
+        run.write_json("eval_before.json", before)
+    if before is not None:
+        log(f"eval before: accuracy {before['accuracy']:.3f}")
+
+    result = train_grpo(cfg, policy, data["train"], run, resume)
+    log(f"train: {result.steps} steps in {result.seconds:.1f}s")
+
+    after = None
+    if cfg.evaluation.enabled:
+        after = _eval_record(evaluate(cfg, policy, data))
+        run.write_json("eval_after.json", after)
+        log(f"eval after: accuracy {after['accuracy']:.3f}")
+
+    summary = {
+        "run_name": run.path.name,
+        "run_dir": str(run.path),
+        "steps": result.steps,
+        "wall_seconds": round(time.perf_counter() - started, 2),
+        "train_seconds": round(result.seconds, 2),
+        "policy_source": policy.source,
+        "policy_cached": policy.cached,
+        "resumed_from": result.resumed_from,
+        "eval_accuracy_before": before["accuracy"] if before else None,
+        "eval_accuracy_after": after["accuracy"] if after else None,
+        f"eval_pass@{cfg.evaluation.pass_k}_before": before.get(f"pass@{cfg.evaluation.pass_k}") if before else None,
+        f"eval_pass@{cfg.evaluation.pass_k}_after": after.get(f"pass@{cfg.evaluation.pass_k}") if after else None,
+        "reward_first": result.reward_curve[0][1] if result.reward_curve else None,
+        "reward_last": result.reward_curve[-1][1] if result.reward_curve else None,
+        "metrics": result.metric_names,
+    }
+    run.write_json("summary.json", summary)
+    return summary

@@ -1,0 +1,124 @@
+"""Build or load the policy (model + tokenizer), caching the tiny default on disk so reruns skip it.
+
+The cache key covers everything that determines the artefact (model shape, warm start, data, alphabet, code
+version), so changing a GRPO field reuses the warm-started model while changing the data rebuilds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from datasets import DatasetDict
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from grpo.config import ExperimentConfig
+from grpo.data import alphabet_of
+from grpo.tiny_model import build_char_tokenizer, build_tiny_qwen2
+from grpo.warm_start import supervised_warm_start
+
+CACHE_VERSION = 1  # bump when the tiny model/tokenizer/warm-start code changes meaning
+
+
+def cache_root() -> Path:
+    """``$GRPO_CACHE_DIR`` or ``.cache/grpo`` in the working directory (the project folder)."""
+    return Path(os.environ.get("GRPO_CACHE_DIR", ".cache/grpo"))
+
+
+@dataclass
+class Policy:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    source: str  # where it came from: a cache path or a hub id
+    cached: bool  # True when a cached artefact was reused
+    build_seconds: float
+    warm_start_losses: list[float]
+
+
+def tiny_cache_key(cfg: ExperimentConfig, alphabet: str) -> str:
+    payload = {
+        "version": CACHE_VERSION,
+        "tiny": cfg.model.tiny.model_dump(),
+        "warm_start": cfg.model.warm_start.model_dump(),
+        "data": cfg.data.model_dump(),
+        "alphabet": alphabet,
+        "seed": cfg.grpo.seed,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_policy(cfg: ExperimentConfig, data: DatasetDict, log=print) -> Policy:
+    if cfg.model.is_tiny:
+        return _tiny_policy(cfg, data, log)
+    start = time.perf_counter()
+    dtype = "auto" if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    kwargs = {"dtype": dtype}
+    if cfg.model.attn_implementation:
+        kwargs["attn_implementation"] = cfg.model.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, **kwargs)
+    losses: list[float] = []
+    if cfg.model.warm_start.steps:
+        ws = cfg.model.warm_start
+        losses = supervised_warm_start(
+            model, tokenizer, list(data["train"]["prompt"]), list(data["train"]["answer"]),
+            ws.steps, ws.batch_size, ws.learning_rate, cfg.grpo.seed,
+        )
+    return Policy(model, tokenizer, cfg.model.name_or_path, False, time.perf_counter() - start, losses)
+
+
+def _tiny_policy(cfg: ExperimentConfig, data: DatasetDict, log) -> Policy:
+    start = time.perf_counter()
+    alphabet = alphabet_of(data)
+    path = cache_root() / f"tiny-{tiny_cache_key(cfg, alphabet)}"
+    if (path / "done.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        losses = json.loads((path / "done.json").read_text())["warm_start_losses"]
+        log(f"policy: reusing cached tiny model {path}")
+        return Policy(model, tokenizer, str(path), True, time.perf_counter() - start, losses)
+
+    t, ws = cfg.model.tiny, cfg.model.warm_start
+    tokenizer = build_char_tokenizer(alphabet)
+    model = build_tiny_qwen2(
+        tokenizer, t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.intermediate_size,
+        t.max_position_embeddings, cfg.grpo.seed,
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"policy: built tiny Qwen2 ({n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}); warm start {ws.steps} steps")
+    losses = _warm_start_with_progress(model, tokenizer, data, cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "done.json").write_text(json.dumps({"warm_start_losses": losses, "parameters": n_params}))
+    try:
+        tmp.rename(path)  # atomic: a concurrent builder of the same key loses the race harmlessly
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Policy(model, tokenizer, str(path), False, time.perf_counter() - start, losses)
+
+
+def _warm_start_with_progress(model, tokenizer, data: DatasetDict, cfg: ExperimentConfig) -> list[float]:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    ws = cfg.model.warm_start
+    with Progress(
+        TextColumn("warm start"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
+        TimeRemainingColumn(), transient=True,
+    ) as progress:
+        task = progress.add_task("warm", total=ws.steps, loss=float("nan"))
+        return supervised_warm_start(
+            model, tokenizer, list(data["train"]["prompt"]), list(data["train"]["answer"]),
+            ws.steps, ws.batch_size, ws.learning_rate, cfg.grpo.seed,
+            on_step=lambda step, loss: progress.update(task, completed=step + 1, loss=loss),
+        )

@@ -1,0 +1,104 @@
+"""Run directories: ``<output_dir>/<run_name>/`` holds the resolved config, checkpoints, metrics and summary.
+
+A run directory is never silently overwritten: a new run refuses an existing name, and ``--resume`` refuses a
+config that differs from the one the run started with.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+
+from grpo.config import ExperimentConfig, config_from_dict, flatten, to_yaml
+from grpo.errors import RunDirectoryError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def summary_file(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / "model"
+
+    def latest_checkpoint(self) -> Path | None:
+        found = sorted(
+            (p for p in self.checkpoints.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+            key=lambda p: int(p.name.split("-")[-1]),
+        )
+        return found[-1] if found else None
+
+    def write_json(self, name: str, data: dict) -> Path:
+        target = self.path / name
+        tmp = target.with_suffix(target.suffix + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
+        tmp.replace(target)
+        return target
+
+    def read_json(self, name: str) -> dict | None:
+        f = self.path / name
+        return json.loads(f.read_text()) if f.is_file() else None
+
+
+def default_run_name(cfg: ExperimentConfig) -> str:
+    return f"{cfg.name}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+
+
+def validate_run_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise RunDirectoryError(
+            f"--run-name {name!r}: use letters, digits, '.', '_' or '-' (max 128 characters, no leading punctuation)"
+        )
+    return name
+
+
+def open_run_dir(cfg: ExperimentConfig, run_name: str, resume: bool) -> RunDir:
+    """Create a fresh run directory, or reopen one for ``--resume`` after checking the config is unchanged."""
+    validate_run_name(run_name)
+    run = RunDir(Path(cfg.output_dir) / run_name)
+    if resume:
+        if not run.config_file.is_file():
+            raise RunDirectoryError(f"--resume: no run to resume at {run.path} (no config.yaml there)")
+        saved = config_from_dict(yaml.safe_load(run.config_file.read_text()), str(run.config_file))
+        changed = _differences(saved, cfg)
+        if changed:
+            raise RunDirectoryError(
+                f"--resume: config differs from the one {run.path} started with ({', '.join(changed[:5])}); "
+                f"resume with the same config or start a new --run-name"
+            )
+        return run
+    if run.path.exists():
+        raise RunDirectoryError(
+            f"run directory {run.path} already exists; pass --resume to continue it or choose another --run-name"
+        )
+    run.path.mkdir(parents=True)
+    run.config_file.write_text(to_yaml(cfg))
+    return run
+
+
+def _differences(a: ExperimentConfig, b: ExperimentConfig) -> list[str]:
+    fa, fb = flatten(a), flatten(b)
+    return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]

@@ -1,0 +1,58 @@
+"""A tiny character-level policy built entirely offline: tokenizer from ``tokenizers``, Qwen2 from a config.
+
+This is what makes the default run work on a laptop with no network: nothing is downloaded, everything is built from
+code and cached on disk by :mod:`grpo.policy`.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+
+
+def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
+    """One token per character of ``alphabet`` plus pad/bos/eos; decoding concatenates characters."""
+    chars = sorted(set(alphabet))
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, *chars])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS)
+    fast.padding_side = "left"  # generation pads prompts on the left
+    return fast
+
+
+def build_tiny_qwen2(
+    tokenizer: PreTrainedTokenizerFast,
+    hidden_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    seed: int,
+) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2 causal LM sized for CPU; deterministic for a given seed."""
+    import torch
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_attention_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    return model

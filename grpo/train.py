@@ -1,0 +1,102 @@
+"""The training stage: map the experiment config onto ``trl.GRPOConfig`` and run :class:`grpo.trainer.GRPOTrainer`."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from grpo.config import ExperimentConfig
+from grpo.policy import Policy
+from grpo.rewards import get_reward
+from grpo.runs import RunDir
+
+# Fields of the ``grpo`` section that are not GRPOConfig arguments (handled by the platform itself).
+_PLATFORM_ONLY = {"reward_funcs", "num_generations_chunks", "extra"}
+
+
+def grpo_args(cfg: ExperimentConfig, output_dir: Path, use_cpu: bool = True):
+    """``trl.GRPOConfig`` for this experiment: same names, plus run-directory and reporting settings."""
+    from trl import GRPOConfig
+
+    g = cfg.grpo
+    kwargs = {k: v for k, v in g.model_dump().items() if k not in _PLATFORM_ONLY}
+    kwargs.update(
+        output_dir=str(output_dir),
+        report_to=[],
+        save_strategy="steps",
+        logging_strategy="steps",
+        use_cpu=use_cpu,
+        disable_tqdm=False,
+        dataloader_num_workers=0,
+        shuffle_dataset=cfg.sampling.shuffle,
+        vllm_importance_sampling_correction=cfg.async_.vllm_importance_sampling_correction,
+        vllm_importance_sampling_mode=cfg.async_.vllm_importance_sampling_mode,
+        vllm_importance_sampling_clip_max=cfg.async_.vllm_importance_sampling_cap,
+    )
+    kwargs.update(g.extra)
+    return GRPOConfig(**kwargs)
+
+
+class MetricsRecorder(TrainerCallback):
+    """Append every ``Trainer.log`` call as one JSON line ``{"step": n, "metrics": {...}}``; tracking reads these."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.names: set[str] = set()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or not state.is_world_process_zero:
+            return
+        clean = {k: float(v) for k, v in logs.items() if isinstance(v, (int, float)) and v == v}
+        self.names.update(clean)
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": state.global_step, "metrics": clean}) + "\n")
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    seconds: float
+    resumed_from: str | None
+    metric_names: list[str]
+    reward_curve: list[tuple[int, float]]
+
+
+def train_grpo(
+    cfg: ExperimentConfig, policy: Policy, train_dataset: Dataset, run: RunDir, resume: bool
+) -> TrainResult:
+    from grpo.trainer import GRPOTrainer
+
+    import torch
+
+    use_cpu = not torch.cuda.is_available()
+    args = grpo_args(cfg, run.checkpoints, use_cpu=use_cpu)
+    recorder = MetricsRecorder(run.metrics_file)
+    trainer = GRPOTrainer(
+        model=policy.model,
+        processing_class=policy.tokenizer,
+        reward_funcs=[get_reward(name) for name in cfg.grpo.reward_funcs],
+        args=args,
+        train_dataset=train_dataset,
+        callbacks=[recorder],
+        experiment=cfg,
+    )
+    checkpoint = run.latest_checkpoint() if resume else None
+    start = time.perf_counter()
+    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    seconds = time.perf_counter() - start
+    trainer.save_model(str(run.model_dir))
+    policy.tokenizer.save_pretrained(run.model_dir)
+    names, curve = set(), []
+    if run.metrics_file.is_file():
+        for line in run.metrics_file.read_text().splitlines():
+            row = json.loads(line)
+            names.update(row["metrics"])
+            if "reward" in row["metrics"]:
+                curve.append((row["step"], row["metrics"]["reward"]))
+    return TrainResult(trainer.state.global_step, seconds, str(checkpoint) if checkpoint else None, sorted(names), curve)
