@@ -103,6 +103,11 @@ class WarmStartConfig(_Section):
     steps: int = Field(350, ge=0, description="0 disables the warm start.")
     learning_rate: float = Field(1e-3, gt=0)
     batch_size: int = Field(64, ge=1)
+    carry_error_rate: float = Field(
+        0.0, ge=0, le=1,
+        description="synthetic:addition only: fraction of carrying problems whose demonstration forgets the carry "
+        "(imperfect SFT data for GRPO to correct).",
+    )
 
 
 class ModelConfig(_Section):
@@ -172,7 +177,7 @@ class GRPOSection(_Section):
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     num_generations_chunks: int = Field(1, ge=1, description="Backward per chunk of each group's completions.")
     lr_scheduler_type: str = "constant"
-    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    warmup_steps: float = Field(0, ge=0, description="Warmup steps, or a ratio of max_steps when in [0, 1).")
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     logging_steps: int = Field(10, ge=1)
@@ -190,6 +195,25 @@ class GRPOSection(_Section):
     extra: dict[str, Any] = Field(
         default_factory=dict, description="Any other trl.GRPOConfig field, passed through unchanged."
     )
+
+    @model_validator(mode="after")
+    def _extra_are_trl_fields(self) -> GRPOSection:
+        if not self.extra:
+            return self
+        import dataclasses
+
+        from trl import GRPOConfig
+
+        trl_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+        managed = set(type(self).model_fields) | {"output_dir", "report_to", "use_cpu"}
+        for key in self.extra:
+            if key in managed:
+                raise ValueError(f"extra: {key!r} is a regular field here; set grpo.{key} (or a platform field) instead")
+            if key not in trl_fields:
+                close = difflib.get_close_matches(key, sorted(trl_fields), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"extra: {key!r} is not a trl.GRPOConfig field{hint}")
+        return self
 
 
 class AsyncSection(_Section):
@@ -291,6 +315,8 @@ class ExperimentConfig(_Section):
                 "async.streaming_partial_batch with grpo.scale_rewards 'batch' is not supported: streamed groups are "
                 "scored before the whole batch exists; use scale_rewards 'group' or 'none'"
             )
+        if self.model.warm_start.carry_error_rate > 0 and not self.data.synthetic:
+            raise ValueError("model.warm_start.carry_error_rate applies to data.source 'synthetic:addition' only; set it to 0")
         if self.model.is_tiny and self.data.prompt_format == "chat":
             raise ValueError("model.name_or_path 'tiny' has no chat template; use data.prompt_format: plain")
         if self.model.is_tiny and self.model.tiny.max_position_embeddings < g.max_completion_length + 8:

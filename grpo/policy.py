@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from grpo.config import ExperimentConfig
 from grpo.data import alphabet_of
+from grpo.tasks import flawed_addition_demonstrations
 from grpo.tiny_model import build_char_tokenizer, build_tiny_qwen2
 from grpo.warm_start import supervised_warm_start
 
@@ -69,9 +70,9 @@ def load_policy(cfg: ExperimentConfig, data: DatasetDict, log=print) -> Policy:
     losses: list[float] = []
     if cfg.model.warm_start.steps:
         ws = cfg.model.warm_start
+        prompts, answers = warm_start_pairs(data, cfg)
         losses = supervised_warm_start(
-            model, tokenizer, list(data["train"]["prompt"]), list(data["train"]["answer"]),
-            ws.steps, ws.batch_size, ws.learning_rate, cfg.grpo.seed,
+            model, tokenizer, prompts, answers, ws.steps, ws.batch_size, ws.learning_rate, cfg.grpo.seed,
         )
     return Policy(model, tokenizer, cfg.model.name_or_path, False, time.perf_counter() - start, losses)
 
@@ -108,17 +109,26 @@ def _tiny_policy(cfg: ExperimentConfig, data: DatasetDict, log) -> Policy:
     return Policy(model, tokenizer, str(path), False, time.perf_counter() - start, losses)
 
 
+def warm_start_pairs(data: DatasetDict, cfg: ExperimentConfig) -> tuple[list[str], list[str]]:
+    """(prompts, demonstrated answers) for the warm start; see ``model.warm_start.carry_error_rate``."""
+    prompts, answers = list(data["train"]["prompt"]), list(data["train"]["answer"])
+    rate = cfg.model.warm_start.carry_error_rate
+    if rate > 0:
+        answers = flawed_addition_demonstrations(prompts, answers, rate, seed=cfg.data.seed)
+    return prompts, answers
+
+
 def _warm_start_with_progress(model, tokenizer, data: DatasetDict, cfg: ExperimentConfig) -> list[float]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     ws = cfg.model.warm_start
+    prompts, answers = warm_start_pairs(data, cfg)
     with Progress(
         TextColumn("warm start"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
         TimeRemainingColumn(), transient=True,
     ) as progress:
         task = progress.add_task("warm", total=ws.steps, loss=float("nan"))
         return supervised_warm_start(
-            model, tokenizer, list(data["train"]["prompt"]), list(data["train"]["answer"]),
-            ws.steps, ws.batch_size, ws.learning_rate, cfg.grpo.seed,
+            model, tokenizer, prompts, answers, ws.steps, ws.batch_size, ws.learning_rate, cfg.grpo.seed,
             on_step=lambda step, loss: progress.update(task, completed=step + 1, loss=loss),
         )

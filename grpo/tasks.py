@@ -37,3 +37,23 @@ def addition_problems(num_train: int, num_eval: int, max_operand: int = 99, seed
         train=Dataset.from_dict(rows(picks[:num_train])),
         eval=Dataset.from_dict(rows(picks[num_train:])),
     )
+
+
+def flawed_addition_demonstrations(
+    prompts: list[str], answers: list[str], carry_error_rate: float, seed: int = 0
+) -> list[str]:
+    """Warm-start answers in which a fraction of carrying problems forget the carry (``27+15=`` -> ``32``).
+
+    Real SFT data is imperfect, and fixing what demonstrations got wrong is what a verifiable reward is for. With
+    a systematic flaw the warm-started policy puts real probability on both the right and the flawed answer, so
+    GRPO groups have reward variance and the correction shows up in a few hundred steps on a CPU.
+    """
+    if not 0.0 <= carry_error_rate <= 1.0:
+        raise ValueError(f"carry_error_rate must be in [0, 1], got {carry_error_rate}")
+    rng = random.Random(seed)
+    out = []
+    for prompt, answer in zip(prompts, answers):
+        a, b = (int(x) for x in prompt.rstrip("=").split("+"))
+        carries = (a % 10) + (b % 10) >= 10
+        out.append(str(a + b - 10) if carries and rng.random() < carry_error_rate else answer)
+    return out

@@ -1,0 +1,49 @@
+"""Shared fixtures. Tests run offline: HF_HUB_OFFLINE is set, and the tiny model cache lives in a temp dir."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """One artefact cache per test session, so tests never reuse a developer's cache (or each other's by accident)."""
+    cache = tmp_path_factory.mktemp("grpo-cache")
+    old = os.environ.get("GRPO_CACHE_DIR")
+    os.environ["GRPO_CACHE_DIR"] = str(cache)
+    yield cache
+    if old is None:
+        os.environ.pop("GRPO_CACHE_DIR", None)
+    else:
+        os.environ["GRPO_CACHE_DIR"] = old
+
+
+def micro_overrides(output_dir: Path, **extra: object) -> list[str]:
+    """--set overrides for a seconds-long run: small model, short warm start, few GRPO steps."""
+    base = {
+        "output_dir": str(output_dir),
+        "data.num_train": 600,
+        "data.num_eval": 64,
+        "model.tiny.hidden_size": 64,
+        "model.tiny.num_hidden_layers": 2,
+        "model.tiny.intermediate_size": 128,
+        "model.warm_start.steps": 60,
+        "grpo.max_steps": 12,
+        "grpo.per_device_train_batch_size": 16,
+        "grpo.num_generations": 4,
+        "grpo.logging_steps": 2,
+        "grpo.save_steps": 4,
+        "evaluation.num_prompts": 64,
+        "evaluation.pass_k": 2,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
