@@ -50,17 +50,22 @@ def run(
     """Prepare data, build the policy, train with GRPO and evaluate before/after."""
     try:
         cfg = _load(config, set_, reward_module)
+        from grpo import distributed
         from grpo.runs import default_run_name, open_run_dir
 
         if resume and not run_name:
             _fail("--resume needs --run-name NAME of the run to continue")
-        run_dir = open_run_dir(cfg, run_name or default_run_name(cfg), resume)
+        distributed.init_process_group()
+        name = distributed.decide_on_main(lambda: run_name or default_run_name(cfg))
+        run_dir = distributed.decide_on_main(lambda: open_run_dir(cfg, name, resume))
         typer.echo(f"run: {run_dir.path}")
         from grpo.experiment import run_experiment
 
         summary = run_experiment(cfg, run_dir, resume=resume, log=typer.echo)
     except GRPOPlatformError as err:
         _fail(str(err))
+    if summary is None:  # a non-main rank of a multi-process run: rank 0 reports
+        return
     before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]
     if before is not None and after is not None:
         typer.echo(f"accuracy {before:.3f} -> {after:.3f} ({after - before:+.3f}) in {summary['wall_seconds']:.0f}s")
@@ -77,6 +82,27 @@ def validate(config: ConfigOpt = None, set_: SetOpt = None, reward_module: Rewar
     from grpo.config import to_yaml
 
     typer.echo(to_yaml(cfg), nl=False)
+
+
+@app.command()
+def plan(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Plan directory (default: <output_dir>/plans/<name>).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing plan.")] = False,
+    reward_module: RewardModuleOpt = None,
+) -> None:
+    """Write the prompt schedule (plan.parquet + plan.json), checking that the config fits the dataset."""
+    try:
+        cfg = _load(config, set_, reward_module)
+        from grpo.plan import build_plan, default_plan_dir, prompt_lengths, summary_table
+
+        summary = build_plan(cfg, prompt_lengths(cfg), out or default_plan_dir(cfg), overwrite=overwrite)
+    except GRPOPlatformError as err:
+        _fail(str(err))
+    from rich.console import Console
+
+    Console().print(summary_table(summary))
 
 
 @app.command()

@@ -324,6 +324,19 @@ class ExperimentConfig(_Section):
                 f"model.tiny.max_position_embeddings ({self.model.tiny.max_position_embeddings}) is too small for "
                 f"grpo.max_completion_length ({g.max_completion_length}) plus a prompt"
             )
+        if s.sequence_parallel_degree > 1:
+            raise ValueError(
+                f"sampling.sequence_parallel_degree={s.sequence_parallel_degree}: sequence-parallel attention "
+                "(ring/Ulysses) is not available in this backend (trl.GRPOTrainer rejects cp/sp > 1; CPU has no "
+                "kernels); use 1. The sampler layout for it is in grpo/sampling.py"
+            )
+        if s.world_size > 1:
+            per_rank = g.per_device_train_batch_size * (self.generation_batch_size // global_batch)
+            if per_rank % g.num_generations:
+                raise ValueError(
+                    f"with sampling.world_size > 1 each rank generates whole groups: per_device_train_batch_size x "
+                    f"steps_per_generation = {per_rank} must be divisible by grpo.num_generations ({g.num_generations})"
+                )
         self._reject_unbuilt_features()
         return self
 
@@ -341,8 +354,6 @@ class ExperimentConfig(_Section):
             "async.replay_buffer_size": a.replay_buffer_size > 0,
             "async.reroll_start_fraction": a.reroll_start_fraction < 1.0,
             "sampling.seqlen_balancing": self.sampling.seqlen_balancing,
-            "sampling.sequence_parallel_degree": self.sampling.sequence_parallel_degree > 1,
-            "sampling.world_size": self.sampling.world_size > 1,
             "tracking.backend": self.tracking.backend != "none",
         }
         on = [k for k, v in pending.items() if v]

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from datasets import DatasetDict
 
+from grpo import distributed
 from grpo.config import ExperimentConfig
 from grpo.data import load_task_data
 from grpo.evaluation import EvalResult, evaluate_policy
@@ -44,17 +45,28 @@ def _eval_record(result: EvalResult) -> dict:
 
 def run_experiment(
     cfg: ExperimentConfig, run: RunDir, resume: bool = False, log: Callable[[str], None] = print
-) -> dict:
-    """Run every stage into ``run`` and return the summary (also written to ``summary.json``)."""
+) -> dict | None:
+    """Run every stage into ``run`` and return the summary (also written to ``summary.json``).
+
+    Under a multi-process launch every rank trains; rank 0 alone builds the cached policy first, evaluates and
+    writes the summary (other ranks return None).
+    """
     started = time.perf_counter()
+    main = distributed.is_main_process()
+    if not main:
+        log = lambda *_: None  # noqa: E731 - rank 0 speaks for the run
 
     data = load_task_data(cfg.data)
     log(f"data: {len(data['train'])} train / {len(data['eval'])} eval prompts from {cfg.data.source}")
 
-    policy = load_policy(cfg, data, log=log)
+    if main:
+        policy = load_policy(cfg, data, log=log)
+    distributed.barrier()  # rank 0 built and cached the policy; the others load it from the cache
+    if not main:
+        policy = load_policy(cfg, data, log=log)
 
     before = run.read_json("eval_before.json") if resume else None
-    if before is None and cfg.evaluation.enabled and cfg.evaluation.before_training:
+    if main and before is None and cfg.evaluation.enabled and cfg.evaluation.before_training:
         before = _eval_record(evaluate(cfg, policy, data))
         run.write_json("eval_before.json", before)
     if before is not None:
@@ -63,6 +75,8 @@ def run_experiment(
     result = train_grpo(cfg, policy, data["train"], run, resume)
     log(f"train: {result.steps} steps in {result.seconds:.1f}s")
 
+    if not main:
+        return None
     after = None
     if cfg.evaluation.enabled:
         after = _eval_record(evaluate(cfg, policy, data))

@@ -21,6 +21,8 @@ from torch.utils.data import Sampler
 from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 from grpo.config import ExperimentConfig
+from grpo.errors import ConfigError
+from grpo.sampling import SequenceParallelRepeatRandomSampler
 
 TESTED_TRL_VERSION = "1.16.0"
 
@@ -36,6 +38,25 @@ class GRPOTrainer(trl.GRPOTrainer):
             )
         self.experiment = experiment
         super().__init__(*args, **kwargs)
+        if experiment is not None:
+            check_launch_matches_config(experiment, self.accelerator.num_processes)
+
+
+def check_launch_matches_config(experiment: ExperimentConfig, launched: int) -> None:
+    """The config's world size and SP degree must describe the processes actually launched."""
+    sampling = experiment.sampling
+    if sampling.world_size != launched:
+        raise ConfigError(
+            f"sampling.world_size is {sampling.world_size} but {launched} process(es) were launched; set "
+            f"sampling.world_size={launched} or launch {sampling.world_size} (accelerate launch --num_processes N)"
+        )
+    if sampling.sequence_parallel_degree > 1:
+        raise ConfigError(
+            f"sampling.sequence_parallel_degree={sampling.sequence_parallel_degree} needs sequence-parallel "
+            "attention (ring/Ulysses context parallelism on GPUs), which this backend does not provide: "
+            "trl.GRPOTrainer rejects cp_size/sp_size > 1 and CPU training has no such kernels. Use 1; the sampler "
+            "layout itself (grpo.sampling.SequenceParallelRepeatRandomSampler) is ready for a GPU backend."
+        )
 
     # ------------------------------------------------------------ 1. which prompts each rank sees
 
@@ -43,8 +64,50 @@ class GRPOTrainer(trl.GRPOTrainer):
         return self.build_train_sampler(dataset if dataset is not None else self.train_dataset)
 
     def build_train_sampler(self, dataset) -> Sampler:
-        """The sampler over prompt indices; TRL's ``RepeatSampler`` by default."""
-        return super()._get_train_sampler(dataset)
+        """The sampler over prompt indices.
+
+        One process: TRL's ``RepeatSampler`` (a global order that accelerate shards). Several processes: the
+        rank-aware :class:`SequenceParallelRepeatRandomSampler`, so every rank draws whole prompt groups of its own
+        (different ranks, different prompts), the same on every restart.
+        """
+        world = self.accelerator.num_processes
+        sp_degree = self.experiment.sampling.sequence_parallel_degree if self.experiment else 1
+        if world == 1 and sp_degree == 1:
+            return super()._get_train_sampler(dataset)
+        return SequenceParallelRepeatRandomSampler(
+            dataset,
+            mini_repeat_count=self.num_generations,
+            world_size=world,
+            rank=self.accelerator.process_index,
+            batch_size=self.prompts_per_rank_per_generation,
+            repeat_count=self.num_iterations * self.args.steps_per_generation,
+            sequence_parallel_degree=sp_degree,
+            shuffle=self.shuffle_dataset,
+            seed=self.args.seed,
+            drop_last=self.experiment.sampling.drop_last if self.experiment else False,
+        )
+
+    @property
+    def prompts_per_rank_per_generation(self) -> int:
+        completions = self.args.per_device_train_batch_size * self.args.steps_per_generation
+        if completions % self.num_generations:
+            raise ValueError(
+                f"with several processes each rank generates whole groups: grpo.per_device_train_batch_size "
+                f"({self.args.per_device_train_batch_size}) x steps_per_generation ({self.args.steps_per_generation}) "
+                f"must be divisible by grpo.num_generations ({self.num_generations})"
+            )
+        return completions // self.num_generations
+
+    def get_train_dataloader(self):
+        dataloader = super().get_train_dataloader()
+        # A rank-aware sampler already yields this rank's data; accelerate's BatchSamplerShard would shard it a
+        # second time (each rank keeping every world_size-th of its own batches). Make the wrapper a passthrough.
+        sharded = getattr(dataloader, "batch_sampler", None)
+        inner = getattr(sharded, "batch_sampler", None)
+        if isinstance(getattr(inner, "sampler", None), SequenceParallelRepeatRandomSampler):
+            sharded.num_processes = 1
+            sharded.process_index = 0
+        return dataloader
 
     # ------------------------------------------------------------ 2. generation batch: assemble, then split
 

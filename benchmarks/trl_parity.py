@@ -1,0 +1,71 @@
+"""``python -m benchmarks trl_parity``: our GRPOTrainer versus stock ``trl.GRPOTrainer``.
+
+Same tiny warm-started model, data, seed, config and number of steps, in one process. The two trainers run
+alternately (ours, TRL, ours, TRL, ...) so machine noise hits both alike; throughput is the median over rounds.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = int(os.environ.get("BENCH_STEPS", "60"))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
+
+
+def main() -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import trl
+    from transformers import set_seed
+
+    from grpo.config import load_config
+    from grpo.data import load_task_data
+    from grpo.policy import load_policy
+    from grpo.rewards import get_reward
+    from grpo.train import grpo_args
+    from grpo.trainer import GRPOTrainer
+
+    out = Path(tempfile.mkdtemp(prefix="bench-parity-"))
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [f"output_dir={out}", f"grpo.max_steps={STEPS}",
+                                                       f"grpo.logging_steps={STEPS}"])
+    data = load_task_data(cfg.data)
+    policy = load_policy(cfg, data, log=lambda *_: None)
+    completions_per_step = cfg.generation_batch_size // (cfg.grpo.steps_per_generation or 1)
+
+    def one(trainer_cls, tag: str) -> tuple[float, float]:
+        set_seed(cfg.grpo.seed)
+        args = grpo_args(cfg, out / tag)
+        args.save_strategy, args.disable_tqdm = "no", True
+        extra = {"experiment": cfg} if trainer_cls is GRPOTrainer else {}
+        trainer = trainer_cls(model=copy.deepcopy(policy.model), processing_class=policy.tokenizer,
+                              reward_funcs=[get_reward(n) for n in cfg.grpo.reward_funcs], args=args,
+                              train_dataset=data["train"], **extra)
+        start = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - start
+        rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+        return STEPS * completions_per_step / seconds, rewards[-1]
+
+    ours, stock = [], []
+    for _ in range(ROUNDS):
+        ours.append(one(GRPOTrainer, "ours"))
+        stock.append(one(trl.GRPOTrainer, "trl"))
+    ours_cps = statistics.median(c for c, _ in ours)
+    trl_cps = statistics.median(c for c, _ in stock)
+    return {
+        "steps": STEPS,
+        "rounds": ROUNDS,
+        "completions_per_step": completions_per_step,
+        "ours_completions_per_s": round(ours_cps, 1),
+        "trl_completions_per_s": round(trl_cps, 1),
+        "ratio_ours_over_trl": round(ours_cps / trl_cps, 3),
+        "ours_final_mean_reward": ours[-1][1],
+        "trl_final_mean_reward": stock[-1][1],
+        "target_ratio": 0.95,
+        "target_met": ours_cps / trl_cps >= 0.95,
+    }

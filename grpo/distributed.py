@@ -1,0 +1,58 @@
+"""Multi-process runs (``torchrun`` / ``accelerate launch``): who does what, without deadlocks.
+
+Rank 0 owns the run directory, evaluation and the summary; every rank trains. Decisions that can fail on user input
+(does the run directory exist?) are made on rank 0 and broadcast, so a refusal stops every rank with the same
+message instead of leaving the others waiting at a barrier.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def init_process_group() -> None:
+    """Initialise torch.distributed (gloo on CPU, nccl on GPU) through accelerate when launched with several ranks."""
+    if launched_world_size() > 1:
+        from accelerate import PartialState
+
+        PartialState()
+
+
+def decide_on_main(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 only and give its result (or its user-input error) to every rank."""
+    if launched_world_size() == 1:
+        return fn()
+    import torch.distributed as dist
+
+    from grpo.errors import GRPOPlatformError
+
+    box: list = [None]
+    if is_main_process():
+        try:
+            box[0] = ("ok", fn())
+        except GRPOPlatformError as err:
+            box[0] = ("error", err)
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise value
+    return value
+
+
+def barrier() -> None:
+    if launched_world_size() > 1:
+        import torch.distributed as dist
+
+        dist.barrier()

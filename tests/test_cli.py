@@ -1,0 +1,62 @@
+"""CLI contract: bad input -> one line on stderr, exit code 2, no traceback, nothing under runs/ touched."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def grpo(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "grpo.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--set", "grpo.num_generationz=4"], "grpo.num_generationz: unknown field (did you mean 'num_generations'?)"),
+        (["--set", "grpo.reward_funcs=[no_such_reward]"], "unknown reward 'no_such_reward'"),
+        (["--set", "data.source=missing/data.jsonl"], "data.source: file does not exist: missing/data.jsonl"),
+        (["--config", "nope.yaml"], "config file not found: nope.yaml"),
+        (["--config", "BAD"], "YAML syntax error at line 3"),
+        (["--reward-module", "nope.py"], "--reward-module: file not found"),
+        (["--resume"], "--resume needs --run-name"),
+        (["--resume", "--run-name", "never-ran"], "no run to resume"),
+        (["--run-name", "../escape"], "--run-name '../escape'"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_touches_nothing(tmp_path, args, fragment):
+    (tmp_path / "BAD").write_text("grpo:\n  learning_rate: [1\n")
+    args = [str(tmp_path / "BAD") if a == "BAD" else a for a in args]
+    result = grpo("run", *args, "--set", f"output_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert fragment in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def test_existing_run_directory_is_never_overwritten(tmp_path):
+    run = tmp_path / "runs" / "mine"
+    run.mkdir(parents=True)
+    (run / "precious.txt").write_text("keep me")
+    result = grpo("run", "--run-name", "mine", "--set", f"output_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "already exists; pass --resume" in result.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["precious.txt"]
+
+
+def test_validate_prints_resolved_config(tmp_path):
+    result = grpo("validate", "--config", str(REPO / "configs" / "tiny.yaml"), "--set", "grpo.beta=0.1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "beta: 0.1" in result.stdout and "carry_error_rate: 0.6" in result.stdout
+
+
+def test_rewards_lists_builtins(tmp_path):
+    result = grpo("rewards", cwd=tmp_path)
+    assert result.returncode == 0 and "exact_match" in result.stdout and "digits_format" in result.stdout

@@ -1,0 +1,46 @@
+"""The embedded default builds offline (HF_HUB_OFFLINE=1) and is cached so reruns skip it."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from grpo.config import load_config
+from grpo.data import load_task_data
+from grpo.evaluation import evaluate_policy
+from grpo.policy import load_policy
+from grpo.rewards import exact_match
+from grpo.tiny_model import build_char_tokenizer
+
+
+def test_char_tokenizer_round_trips_and_has_special_tokens():
+    tok = build_char_tokenizer("0123456789+=")
+    ids = tok("12+34=46", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 8 and tok.decode(ids) == "12+34=46"
+    assert tok.eos_token_id not in ids and tok.pad_token_id == 0
+    assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "12+34=46"
+
+
+def test_tiny_policy_builds_offline_learns_format_and_is_cached(tmp_path):
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    cfg = load_config(None, ["data.num_train=800", "data.num_eval=100", "model.tiny.hidden_size=64",
+                             "model.tiny.num_hidden_layers=2", "model.warm_start.steps=150"])
+    data = load_task_data(cfg.data)
+    first = load_policy(cfg, data, log=lambda *_: None)
+    assert not first.cached and len(first.warm_start_losses) == 150
+    assert first.warm_start_losses[-1] < first.warm_start_losses[0] * 0.7
+    result = evaluate_policy(first.model, first.tokenizer, list(data["eval"]["prompt"]), list(data["eval"]["answer"]),
+                             exact_match, max_new_tokens=4, pass_k=4)
+    assert 0.0 <= result.accuracy <= 1.0 and 0.0 <= result.pass_at_k <= 1.0
+    completions = [s["completion"] for s in result.samples]
+    assert sum(c.isdigit() for c in completions) >= len(completions) // 2  # the warm start taught the format
+
+    second = load_policy(cfg, data, log=lambda *_: None)
+    assert second.cached and second.source == first.source
+    for a, b in zip(first.model.state_dict().values(), second.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+    changed = load_config(None, ["data.num_train=800", "data.num_eval=100", "model.tiny.hidden_size=64",
+                                 "model.tiny.num_hidden_layers=2", "model.warm_start.steps=151"])
+    assert load_policy(changed, data, log=lambda *_: None).source != first.source

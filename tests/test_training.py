@@ -1,0 +1,76 @@
+"""Short real GRPO runs on the tiny model: reward rises, the summary is complete, and a killed run resumes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from grpo.config import load_config
+from grpo.experiment import run_experiment
+from grpo.runs import RunDir, open_run_dir
+from tests.conftest import REPO, micro_overrides
+
+
+def read_metrics(run: RunDir) -> list[dict]:
+    return [json.loads(line) for line in run.metrics_file.read_text().splitlines()]
+
+
+def test_default_task_mean_reward_rises(tmp_path):
+    """The default preset, shortened: GRPO on exact-answer reward raises the mean reward of sampled completions."""
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [
+        f"output_dir={tmp_path}", "grpo.max_steps=120", "grpo.logging_steps=10", "grpo.save_steps=1000",
+        "evaluation.num_prompts=200", "evaluation.pass_k=0",
+    ])
+    run = open_run_dir(cfg, "reward-rises", resume=False)
+    summary = run_experiment(cfg, run, log=lambda *_: None)
+
+    rewards = [row["metrics"]["reward"] for row in read_metrics(run) if "reward" in row["metrics"]]
+    assert len(rewards) == 12
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.03, rewards
+    assert summary["steps"] == 120
+    for key in ("run_name", "steps", "wall_seconds", "eval_accuracy_before", "eval_accuracy_after", "metrics"):
+        assert key in summary
+    assert {"reward", "reward_std", "frac_reward_zero_std", "rewards/exact_match/mean", "entropy", "step_time",
+            "learning_rate", "grad_norm", "completions/mean_length"} <= set(summary["metrics"])
+    on_disk = json.loads(run.summary_file.read_text())
+    assert on_disk["eval_accuracy_after"] == summary["eval_accuracy_after"]
+    assert (run.model_dir / "config.json").is_file() and run.config_file.is_file()
+
+
+def test_killed_run_resumes_from_last_checkpoint(tmp_path):
+    """Kill training after its first checkpoint; ``--resume`` continues there and the step sequence is continuous."""
+    overrides = micro_overrides(tmp_path, **{"grpo.max_steps": 40, "grpo.save_steps": 8, "grpo.logging_steps": 4,
+                                             "evaluation.enabled": "false"})
+    cmd = [sys.executable, "-m", "grpo.cli", "run", "--run-name", "killed"]
+    for item in overrides:
+        cmd += ["--set", item]
+    run = RunDir(tmp_path / "killed")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (run.checkpoints / "checkpoint-8" / "trainer_state.json").is_file():
+        if proc.poll() is not None:
+            raise AssertionError("training finished or failed before it could be killed")
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = run.latest_checkpoint()
+    assert killed_at is not None and int(killed_at.name.split("-")[1]) < 40
+    assert not run.summary_file.exists()
+
+    resumed = subprocess.run(cmd + ["--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    summary = json.loads(run.summary_file.read_text())
+    assert summary["steps"] == 40 and summary["resumed_from"].endswith(killed_at.name)
+
+    steps = [row["step"] for row in read_metrics(run) if "reward" in row["metrics"]]
+    resumed_from = int(killed_at.name.split("-")[1])
+    after = [s for s in steps if s > resumed_from]
+    assert after == list(range(resumed_from + 4, 41, 4))
+
+    changed = subprocess.run(cmd + ["--resume", "--set", "grpo.learning_rate=0.5"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+    assert changed.returncode == 2 and "config differs" in changed.stderr and "grpo.learning_rate" in changed.stderr
