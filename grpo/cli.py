@@ -95,9 +95,9 @@ def plan(
     """Write the prompt schedule (plan.parquet + plan.json), checking that the config fits the dataset."""
     try:
         cfg = _load(config, set_, reward_module)
-        from grpo.plan import build_plan, default_plan_dir, prompt_lengths, summary_table
+        from grpo.plan import build_plan, default_plan_dir, summary_table, train_prompt_lengths
 
-        summary = build_plan(cfg, prompt_lengths(cfg), out or default_plan_dir(cfg), overwrite=overwrite)
+        summary = build_plan(cfg, train_prompt_lengths(cfg), out or default_plan_dir(cfg), overwrite=overwrite)
     except GRPOPlatformError as err:
         _fail(str(err))
     from rich.console import Console

@@ -353,7 +353,6 @@ class ExperimentConfig(_Section):
             "async.reward_num_workers": a.reward_num_workers > 1,
             "async.replay_buffer_size": a.replay_buffer_size > 0,
             "async.reroll_start_fraction": a.reroll_start_fraction < 1.0,
-            "sampling.seqlen_balancing": self.sampling.seqlen_balancing,
             "tracking.backend": self.tracking.backend != "none",
         }
         on = [k for k, v in pending.items() if v]

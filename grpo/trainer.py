@@ -22,6 +22,7 @@ from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid,
 
 from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError
+from grpo.group_balancing import rebalance_groups, split_by_token_budget
 from grpo.sampling import SequenceParallelRepeatRandomSampler
 
 TESTED_TRL_VERSION = "1.16.0"
@@ -41,22 +42,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         if experiment is not None:
             check_launch_matches_config(experiment, self.accelerator.num_processes)
 
-
-def check_launch_matches_config(experiment: ExperimentConfig, launched: int) -> None:
-    """The config's world size and SP degree must describe the processes actually launched."""
-    sampling = experiment.sampling
-    if sampling.world_size != launched:
-        raise ConfigError(
-            f"sampling.world_size is {sampling.world_size} but {launched} process(es) were launched; set "
-            f"sampling.world_size={launched} or launch {sampling.world_size} (accelerate launch --num_processes N)"
-        )
-    if sampling.sequence_parallel_degree > 1:
-        raise ConfigError(
-            f"sampling.sequence_parallel_degree={sampling.sequence_parallel_degree} needs sequence-parallel "
-            "attention (ring/Ulysses context parallelism on GPUs), which this backend does not provide: "
-            "trl.GRPOTrainer rejects cp_size/sp_size > 1 and CPU training has no such kernels. Use 1; the sampler "
-            "layout itself (grpo.sampling.SequenceParallelRepeatRandomSampler) is ready for a GPU backend."
-        )
 
     # ------------------------------------------------------------ 1. which prompts each rank sees
 
@@ -123,11 +108,28 @@ def check_launch_matches_config(experiment: ExperimentConfig, launched: int) -> 
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def assemble_generation_batch(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
-        """Generate completions for the rows, score them and compute advantages (TRL's implementation)."""
-        return self._generate_and_score_completions(inputs)
+        """Generate completions for the rows, score them and compute advantages (TRL's implementation); with
+        ``sampling.seqlen_balancing`` and several ranks, then exchange whole groups for balanced token loads."""
+        batch = self._generate_and_score_completions(inputs)
+        if self.model.training and self._balancing:
+            batch, metrics = rebalance_groups(
+                batch, self.num_generations, self.accelerator.process_index, self.accelerator.num_processes,
+                self.processing_class.pad_token_id if hasattr(self.processing_class, "pad_token_id") else 0,
+                self.experiment.sampling.balance_quadratic_coef,
+            )
+            for name, value in metrics.items():
+                self._metrics["train"][name].append(value)
+        return batch
+
+    @property
+    def _balancing(self) -> bool:
+        return bool(self.experiment and self.experiment.sampling.seqlen_balancing and self.accelerator.num_processes > 1)
 
     def split_generation_batch(self, batch: dict[str, torch.Tensor | Any]) -> list[dict[str, torch.Tensor | Any]]:
-        """Shuffle the scored batch and cut it into ``steps_per_generation`` micro-batches (TRL's behaviour)."""
+        """Cut the scored batch into ``steps_per_generation`` micro-batches: TRL's shuffle-and-split, or balanced
+        token budgets when sequence-length balancing is on."""
+        if self._balancing:
+            return split_by_token_budget(batch, self.args.steps_per_generation)
         batch = split_pixel_values_by_grid(batch)
         batch = shuffle_sequence_dict(batch)
         parts = split_tensor_dict(batch, self.args.steps_per_generation)
@@ -141,3 +143,20 @@ def check_launch_matches_config(experiment: ExperimentConfig, launched: int) -> 
     def compute_policy_loss(self, model, inputs: dict[str, torch.Tensor | Any]) -> torch.Tensor:
         """The clipped GRPO surrogate for one micro-batch (TRL's implementation)."""
         return super()._compute_loss(model, inputs)
+
+
+def check_launch_matches_config(experiment: ExperimentConfig, launched: int) -> None:
+    """The config's world size and SP degree must describe the processes actually launched."""
+    sampling = experiment.sampling
+    if sampling.world_size != launched:
+        raise ConfigError(
+            f"sampling.world_size is {sampling.world_size} but {launched} process(es) were launched; set "
+            f"sampling.world_size={launched} or launch {sampling.world_size} (accelerate launch --num_processes N)"
+        )
+    if sampling.sequence_parallel_degree > 1:
+        raise ConfigError(
+            f"sampling.sequence_parallel_degree={sampling.sequence_parallel_degree} needs sequence-parallel "
+            "attention (ring/Ulysses context parallelism on GPUs), which this backend does not provide: "
+            "trl.GRPOTrainer rejects cp_size/sp_size > 1 and CPU training has no such kernels. Use 1; the sampler "
+            "layout itself (grpo.sampling.SequenceParallelRepeatRandomSampler) is ready for a GPU backend."
+        )

@@ -73,3 +73,25 @@ def test_world_size_must_match_launch(tmp_path):
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert "sampling.world_size is 2 but 1 process(es) were launched" in result.stderr
+
+
+def test_torchrun_seqlen_balancing_exchanges_groups_and_logs_balance(tmp_path):
+    overrides = micro_overrides(tmp_path, **{
+        "sampling.world_size": 2, "sampling.seqlen_balancing": "true", "grpo.max_steps": 4,
+        "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4, "grpo.steps_per_generation": 2,
+        "grpo.logging_steps": 1, "grpo.save_steps": 100, "evaluation.enabled": "false",
+    })
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29534",
+           "-m", "grpo.cli", "run", "--run-name", "balanced"]
+    for item in overrides:
+        cmd += ["--set", item]
+    result = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line)["metrics"] for line in (tmp_path / "balanced" / "metrics.jsonl").read_text().splitlines()]
+    balanced = [r for r in rows if "balance/imbalance" in r]
+    assert balanced, "no balance metrics logged"
+    for r in balanced:
+        assert r["balance/max_tokens"] >= r["balance/min_tokens"] > 0
+        assert r["balance/imbalance"] <= r["balance/imbalance_unbalanced"] + 1e-9
+        assert r["balance/imbalance"] >= 1.0

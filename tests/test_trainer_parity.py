@@ -17,9 +17,31 @@ from grpo.trainer import GRPOTrainer
 from tests.conftest import REPO
 
 
+class CountingTrainer(GRPOTrainer):
+    """Counts calls of the extension points, proving the comparison runs through them."""
+
+    calls: dict[str, int] = {}
+
+    def build_train_sampler(self, dataset):
+        self.calls["build_train_sampler"] = self.calls.get("build_train_sampler", 0) + 1
+        return super().build_train_sampler(dataset)
+
+    def assemble_generation_batch(self, inputs):
+        self.calls["assemble_generation_batch"] = self.calls.get("assemble_generation_batch", 0) + 1
+        return super().assemble_generation_batch(inputs)
+
+    def split_generation_batch(self, batch):
+        self.calls["split_generation_batch"] = self.calls.get("split_generation_batch", 0) + 1
+        return super().split_generation_batch(batch)
+
+    def compute_policy_loss(self, model, inputs):
+        self.calls["compute_policy_loss"] = self.calls.get("compute_policy_loss", 0) + 1
+        return super().compute_policy_loss(model, inputs)
+
+
 def _train(trainer_cls, model, tokenizer, data, cfg, out):
     set_seed(0)
-    kwargs = {"experiment": cfg} if trainer_cls is GRPOTrainer else {}
+    kwargs = {"experiment": cfg} if issubclass(trainer_cls, GRPOTrainer) else {}
     trainer = trainer_cls(model=model, processing_class=tokenizer, reward_funcs=[get_reward("exact_match")],
                           args=grpo_args(cfg, out), train_dataset=data["train"], **kwargs)
     trainer.args.save_strategy = "no"
@@ -35,13 +57,16 @@ def test_same_losses_and_weights_as_stock_trl(tmp_path):
     ])
     data = load_task_data(cfg.data)
     policy = load_policy(cfg, data, log=lambda *_: None)
-    ours = _train(GRPOTrainer, copy.deepcopy(policy.model), policy.tokenizer, data, cfg, tmp_path / "ours")
+    ours = _train(CountingTrainer, copy.deepcopy(policy.model), policy.tokenizer, data, cfg, tmp_path / "ours")
     stock = _train(trl.GRPOTrainer, copy.deepcopy(policy.model), policy.tokenizer, data, cfg, tmp_path / "trl")
 
     def history(trainer):
         timing = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
         return [{k: v for k, v in h.items() if k not in timing} for h in trainer.state.log_history]
 
+    # 4 steps, steps_per_generation=2, num_iterations=2: one generation round, 4 micro-batches of loss
+    assert CountingTrainer.calls == {"build_train_sampler": 1, "assemble_generation_batch": 1,
+                                     "split_generation_batch": 1, "compute_policy_loss": 4}
     assert [h["step"] for h in history(ours) if "loss" in h] == [1, 2, 3, 4]
     assert any(h.get("reward", 0) > 0 for h in history(ours))
     assert history(ours) == history(stock)

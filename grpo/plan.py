@@ -1,0 +1,578 @@
+"""Sampler plans: the whole prompt schedule of a run, written before training.
+
+A plan answers "which prompt does SP group g see in generation round r, and at which optimizer step" for every
+round of the run, and fails early when the config does not fit the dataset (batch arithmetic that does not
+divide, a dataset smaller than one round with ``drop_last``). It is the schedule of
+:class:`grpo.sampling.SequenceParallelRepeatRandomSampler` with TRL's step arithmetic:
+
+* ``steps_per_generation`` is ``grpo.steps_per_generation``, else ``generation_batch_size //
+  (per_device_train_batch_size * world_size)`` when that is set, else ``gradient_accumulation_steps`` (TRL's);
+* one generation round gives every rank ``per_device_train_batch_size * steps_per_generation`` completions, i.e. B
+  prompts x ``num_generations`` per SP group, and serves ``steps_per_generation * num_iterations`` micro-steps;
+* epoch ``e`` orders prompts with ``torch.randperm(N, seed + e)`` and cuts the order into chunks of ``B *
+  num_sp_groups`` prompts, one chunk per round; SP group g takes slots ``[g*B, (g+1)*B)`` of each chunk.
+
+``plan.parquet`` has one row per (round, SP group, slot) — per prompt, not per completion — sorted by that key, in
+row groups of 2**18 rows (zstd), with the plan's numbers in the schema metadata so a reader needs nothing else.
+``plan.json`` is the summary: sizes, coverage, expected prompt-token load per rank and its predicted imbalance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import Sampler
+
+from grpo.config import ExperimentConfig
+from grpo.errors import ConfigError, DataError, GRPOPlatformError
+from grpo.sampling import sp_group_of
+
+__all__ = [
+    "PLAN_FILE",
+    "SUMMARY_FILE",
+    "PlanExistsError",
+    "PlanSampler",
+    "PlanSpec",
+    "PlanSummary",
+    "build_plan",
+    "default_plan_dir",
+    "plan_spec",
+    "read_plan_indices",
+    "read_plan_meta",
+    "summary_table",
+    "train_prompt_lengths",
+]
+
+PLAN_FILE, SUMMARY_FILE = "plan.parquet", "plan.json"
+_META_KEY = b"grpo.plan"
+_ROWS_PER_ROW_GROUP = 1 << 18  # bounds writer and reader memory: planning 1M prompts peaks ~110 MB above imports
+_MAX_BALANCED_ROUNDS = 1000  # group-level balancing is ~0.5 ms a round: predict it on an even sample of rounds
+_INT16_MAX, _INT32_MAX = 2**15 - 1, 2**31 - 1
+
+SCHEMA = pa.schema(
+    [
+        ("round", pa.int32()),
+        ("epoch", pa.int32()),
+        ("optimizer_step_start", pa.int32()),
+        ("micro_step_start", pa.int64()),
+        ("sp_group", pa.int16()),
+        ("rank_start", pa.int16()),
+        ("rank_end", pa.int16()),
+        ("slot", pa.int32()),
+        ("prompt_index", pa.int64()),
+        ("num_generations", pa.int16()),
+        ("reuse", pa.int16()),
+        ("prompt_tokens", pa.int32()),
+    ]
+)
+
+
+# Dictionary pages for the repetitive columns only: on prompt_index (near-unique) they cost memory, not bytes.
+_DICTIONARY_COLUMNS = [f.name for f in SCHEMA if f.name != "prompt_index"]
+
+
+class PlanExistsError(GRPOPlatformError, FileExistsError):
+    """A plan is already written there; plans are inputs to runs, so replacing one must be explicit."""
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """The dataset-independent numbers of a schedule, derived from the config the way TRL derives them."""
+
+    world_size: int
+    sequence_parallel_degree: int
+    num_sp_groups: int
+    num_generations: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    steps_per_generation: int
+    num_iterations: int
+    prompts_per_sp_group: int  # B: prompts each SP group generates for in one round
+    max_steps: int
+    seed: int
+    shuffle: bool
+    drop_last: bool
+    seqlen_balancing: bool
+    balance_quadratic_coef: float | None
+
+    @property
+    def prompts_per_round(self) -> int:
+        return self.prompts_per_sp_group * self.num_sp_groups
+
+    @property
+    def repeat_count(self) -> int:
+        """How often the sampler yields a round's slice: TRL reuses a round for every micro-step it serves."""
+        return self.num_iterations * self.steps_per_generation
+
+    @property
+    def micro_steps_per_round(self) -> int:
+        return self.steps_per_generation * self.num_iterations
+
+    @property
+    def total_micro_steps(self) -> int:
+        return self.max_steps * self.gradient_accumulation_steps
+
+    @property
+    def generation_rounds(self) -> int:
+        return -(-self.total_micro_steps // self.micro_steps_per_round)
+
+    def rounds_per_epoch(self, dataset_size: int) -> int:
+        """Chunks of one epoch's order, as the sampler cuts them; raises when ``drop_last`` would leave none."""
+        if dataset_size < 1:
+            raise DataError("data: the training split is empty (0 prompts); a plan needs at least one prompt")
+        chunk = self.prompts_per_round
+        if not self.drop_last:
+            return -(-dataset_size // chunk)
+        if dataset_size < chunk:
+            fits = [b * self.num_generations for b in range(1, dataset_size // self.num_sp_groups + 1)]
+            fits = [p for p in fits if p % self.steps_per_generation == 0][-1:]
+            hint = f" or grpo.per_device_train_batch_size <= {fits[0] // self.steps_per_generation}" if fits else ""
+            raise ConfigError(
+                f"sampling.drop_last: the training split has {dataset_size} prompts, fewer than one generation round "
+                f"of {chunk} prompts ({self.prompts_per_sp_group} per SP group x {self.num_sp_groups} SP groups), so "
+                f"drop_last=true would plan nothing; set sampling.drop_last=false, use more prompts{hint}"
+            )
+        return dataset_size // chunk
+
+    def echo(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {
+            "prompts_per_round": self.prompts_per_round,
+            "repeat_count": self.repeat_count,
+            "micro_steps_per_round": self.micro_steps_per_round,
+        }
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """What ``plan.json`` holds; ``rows == generation_rounds * prompts_per_round`` by construction."""
+
+    plan_path: str
+    rows: int
+    prompt_index_sha256: str  # of the prompt_index column as little-endian int64, in file order
+    optimizer_steps: int
+    micro_steps: int
+    generation_rounds: int
+    rounds_per_epoch: int
+    prompts_per_round: int
+    prompts_per_epoch: int
+    epochs: int
+    dataset_size: int
+    unique_prompts_used: int
+    completions_total: int
+    expected_prompt_tokens_per_rank: dict[str, float]
+    predicted_imbalance: dict[str, Any]
+    config: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _divisors(n: int, low: int = 1) -> list[int]:
+    return [d for d in range(low, n + 1) if n % d == 0]
+
+
+def plan_spec(cfg: ExperimentConfig) -> PlanSpec:
+    """Batch arithmetic of ``cfg``; a ConfigError naming the fields when it cannot work with the SP sampler."""
+    g, s = cfg.grpo, cfg.sampling
+    if g.max_steps < 1:
+        raise ConfigError(f"grpo.max_steps must be >= 1 optimizer steps, got {g.max_steps}")
+    world, degree = s.world_size, s.sequence_parallel_degree
+    if world < 1 or degree < 1 or world % degree:
+        raise ConfigError(
+            f"sampling.sequence_parallel_degree: sampling.world_size ({world}) must be a positive multiple of it "
+            f"({degree}); valid degrees: {_divisors(max(world, 1))}"
+        )
+    if world > _INT16_MAX or g.num_generations > _INT16_MAX or g.num_iterations > _INT16_MAX:
+        raise ConfigError(
+            f"sampling.world_size, grpo.num_generations and grpo.num_iterations must be <= {_INT16_MAX} "
+            f"(got {world}, {g.num_generations}, {g.num_iterations})"
+        )
+    pdbs, gen = g.per_device_train_batch_size, g.num_generations
+    if g.steps_per_generation is not None:
+        spg, source = g.steps_per_generation, "grpo.steps_per_generation"
+    elif g.generation_batch_size is not None:
+        if g.generation_batch_size % (pdbs * world):
+            raise ConfigError(
+                f"grpo.generation_batch_size ({g.generation_batch_size}) must be a multiple of "
+                f"grpo.per_device_train_batch_size x sampling.world_size = {pdbs * world}"
+            )
+        spg, source = g.generation_batch_size // (pdbs * world), "grpo.generation_batch_size"
+    else:
+        spg, source = g.gradient_accumulation_steps, "grpo.gradient_accumulation_steps"
+    per_rank = pdbs * spg
+    if per_rank % gen:
+        step = gen // math.gcd(gen, spg)
+        raise ConfigError(
+            f"grpo.num_generations: grpo.per_device_train_batch_size x steps_per_generation = {pdbs} x {spg} = "
+            f"{per_rank} completions per rank and round (steps_per_generation from {source}) must be a multiple of "
+            f"grpo.num_generations ({gen}) so every SP group holds whole prompts; valid num_generations: "
+            f"{_divisors(per_rank, 2)}, or per_device_train_batch_size a multiple of {step} "
+            f"(e.g. {[step * k for k in range(1, 5)]})"
+        )
+    if g.max_steps * g.gradient_accumulation_steps > _INT32_MAX:
+        raise ConfigError(
+            f"grpo.max_steps x grpo.gradient_accumulation_steps = {g.max_steps * g.gradient_accumulation_steps} "
+            f"micro-steps is more than a plan holds (<= {_INT32_MAX})"
+        )
+    return PlanSpec(
+        world_size=world,
+        sequence_parallel_degree=degree,
+        num_sp_groups=world // degree,
+        num_generations=gen,
+        per_device_train_batch_size=pdbs,
+        gradient_accumulation_steps=g.gradient_accumulation_steps,
+        steps_per_generation=spg,
+        num_iterations=g.num_iterations,
+        prompts_per_sp_group=per_rank // gen,
+        max_steps=g.max_steps,
+        seed=g.seed,
+        shuffle=s.shuffle,
+        drop_last=s.drop_last,
+        seqlen_balancing=s.seqlen_balancing,
+        balance_quadratic_coef=s.balance_quadratic_coef,
+    )
+
+
+def _as_prompt_lengths(values: Sequence[int] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise DataError(f"prompt_lengths must be a 1-D sequence of token counts, got shape {arr.shape}")
+    if arr.size == 0:
+        raise DataError("data: the training split is empty (0 prompts); a plan needs at least one prompt")
+    if arr.dtype.kind not in "iu":
+        raise DataError(f"prompt_lengths must be integer token counts, got dtype {arr.dtype}")
+    if arr.min() < 0 or arr.max() > _INT32_MAX:
+        bad = int(np.argmin(arr)) if arr.min() < 0 else int(np.argmax(arr))
+        raise DataError(f"prompt_lengths must be in [0, {_INT32_MAX}], got {int(arr[bad])} at index {bad}")
+    return arr.astype(np.int32, copy=False)
+
+
+def _epoch_order(n: int, spec: PlanSpec, epoch: int) -> np.ndarray:
+    """The sampler's order for ``epoch`` (same generator, same seed), as int64."""
+    if not spec.shuffle:
+        return np.arange(n, dtype=np.int64)
+    return torch.randperm(n, generator=torch.Generator().manual_seed(spec.seed + epoch)).numpy()
+
+
+def _sample_rounds(rounds: int) -> np.ndarray:
+    return np.unique(np.linspace(0, rounds - 1, min(rounds, _MAX_BALANCED_ROUNDS)).round().astype(np.int64))
+
+
+def _max_over_mean(loads: np.ndarray) -> np.ndarray:
+    """Per row: heaviest / mean load (1.0 when a row carries nothing)."""
+    mean = loads.mean(axis=-1)
+    return np.where(mean > 0, loads.max(axis=-1) / np.where(mean > 0, mean, 1.0), 1.0)
+
+
+def default_plan_dir(cfg: ExperimentConfig) -> Path:
+    return Path(cfg.output_dir) / "plans" / cfg.name
+
+
+def build_plan(
+    cfg: ExperimentConfig, prompt_lengths: Sequence[int] | np.ndarray, out_dir: Path, overwrite: bool = False
+) -> PlanSummary:
+    """Validate ``cfg`` against the dataset, then stream ``out_dir/plan.parquet`` and write ``out_dir/plan.json``.
+
+    Everything is checked before a byte is written; files are written under a temporary name and renamed, so an
+    interrupted plan never leaves a half-written file that looks complete."""
+    spec = plan_spec(cfg)
+    lengths = _as_prompt_lengths(prompt_lengths)
+    n = int(lengths.size)
+    rpe = spec.rounds_per_epoch(n)
+    out_dir = Path(out_dir)
+    plan_path, summary_path = out_dir / PLAN_FILE, out_dir / SUMMARY_FILE
+    if not overwrite and (plan_path.exists() or summary_path.exists()):
+        existing = plan_path if plan_path.exists() else summary_path
+        raise PlanExistsError(f"plan exists: {existing}; pass overwrite=True (--overwrite) to replace it")
+
+    rounds = spec.generation_rounds
+    meta = {"spec": dataclasses.asdict(spec), "generation_rounds": rounds, "rounds_per_epoch": rpe, "dataset_size": n}
+    schema = SCHEMA.with_metadata({_META_KEY: json.dumps(meta).encode()})
+    stats = _LoadStats(spec, lengths)
+    seen = np.zeros(n, dtype=bool)
+    digest = hashlib.sha256()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = plan_path.with_name(PLAN_FILE + ".tmp")
+    try:
+        with pq.ParquetWriter(tmp, schema, compression="zstd", use_dictionary=_DICTIONARY_COLUMNS) as writer:
+            for epoch, r0, r1, index in _blocks(spec, n, rpe):
+                writer.write_table(_block_table(spec, epoch, r0, r1, index, lengths[index]), row_group_size=index.size)
+                seen[index] = True
+                digest.update(index.astype("<i8", copy=False).tobytes())
+                stats.add(r0, r1, index)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, plan_path)
+
+    per_round = spec.prompts_per_round
+    summary = PlanSummary(
+        plan_path=str(plan_path),
+        rows=rounds * per_round,
+        prompt_index_sha256=digest.hexdigest(),
+        optimizer_steps=spec.max_steps,
+        micro_steps=spec.total_micro_steps,
+        generation_rounds=rounds,
+        rounds_per_epoch=rpe,
+        prompts_per_round=per_round,
+        prompts_per_epoch=rpe * per_round,
+        epochs=-(-rounds // rpe),
+        dataset_size=n,
+        unique_prompts_used=int(seen.sum()),
+        completions_total=rounds * per_round * spec.num_generations,
+        expected_prompt_tokens_per_rank=stats.tokens_per_rank(),
+        predicted_imbalance=stats.imbalance(),
+        config=spec.echo() | {"dataset_size": n},
+    )
+    tmp = summary_path.with_name(SUMMARY_FILE + ".tmp")
+    tmp.write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+    os.replace(tmp, summary_path)
+    return summary
+
+
+def _blocks(spec: PlanSpec, n: int, rounds_per_epoch: int) -> Iterator[tuple[int, int, int, np.ndarray]]:
+    """(epoch, first round, end round, prompt indices in file order) for each row group; none crosses an epoch."""
+    rounds, per_round = spec.generation_rounds, spec.prompts_per_round
+    block_rounds = max(1, _ROWS_PER_ROW_GROUP // per_round)
+    for epoch in range(-(-rounds // rounds_per_epoch)):
+        order = _epoch_order(n, spec, epoch)
+        first, last = epoch * rounds_per_epoch, min(rounds, (epoch + 1) * rounds_per_epoch)
+        for r0 in range(first, last, block_rounds):
+            r1 = min(last, r0 + block_rounds)
+            pos = np.arange((r0 - first) * per_round, (r1 - first) * per_round, dtype=np.int64)
+            # The epoch's last chunk is completed from the start of the order (the sampler's wrap-around).
+            yield epoch, r0, r1, order[pos % n if pos[-1] >= n else pos]
+
+
+def _block_table(spec: PlanSpec, epoch: int, r0: int, r1: int, index: np.ndarray, tokens: np.ndarray) -> pa.Table:
+    """Rows of rounds [r0, r1) of one epoch, sorted by (round, sp_group, slot); ``index`` holds their prompts."""
+    per_round, b, rows = spec.prompts_per_round, spec.prompts_per_sp_group, index.size
+    degree = spec.sequence_parallel_degree
+    rnd = np.repeat(np.arange(r0, r1, dtype=np.int64), per_round)
+    micro = rnd * spec.micro_steps_per_round
+    group = np.tile(np.repeat(np.arange(spec.num_sp_groups, dtype=np.int16), b), r1 - r0)
+    return pa.Table.from_arrays(
+        [
+            pa.array(rnd.astype(np.int32)),
+            pa.array(np.full(rows, epoch, dtype=np.int32)),
+            pa.array((micro // spec.gradient_accumulation_steps).astype(np.int32)),
+            pa.array(micro),
+            pa.array(group),
+            pa.array(group * degree),
+            pa.array(group * degree + (degree - 1)),
+            pa.array(np.tile(np.arange(b, dtype=np.int32), rows // b)),
+            pa.array(index),
+            pa.array(np.full(rows, spec.num_generations, dtype=np.int16)),
+            pa.array(np.full(rows, spec.num_iterations, dtype=np.int16)),
+            pa.array(tokens),
+        ],
+        schema=SCHEMA,
+    )
+
+
+class _LoadStats:
+    """Expected prompt-token load per SP group and round, and its imbalance, accumulated block by block.
+
+    Exact over all rounds for the plan's own order; after the trainer's group-level balancing (whole prompts moved
+    between SP groups, equal counts) only on an even sample of rounds, since balancing a round costs ~0.5 ms."""
+
+    def __init__(self, spec: PlanSpec, lengths: np.ndarray) -> None:
+        self.spec = spec
+        x = lengths.astype(np.float64)
+        self.tokens = x * spec.num_generations  # every completion of a group reads the prompt
+        coef = spec.balance_quadratic_coef  # the balancer's workload: a*L + L^2 per sequence when set
+        self.workload = self.tokens if coef is None else spec.num_generations * (coef * x + x * x)
+        self.balance = spec.seqlen_balancing and spec.num_sp_groups > 1
+        self.sampled = _sample_rounds(spec.generation_rounds) if self.balance else np.empty(0, np.int64)
+        self.group_tokens = np.zeros(spec.num_sp_groups)
+        self.ratio_sum, self.ratio_max = 0.0, 1.0
+        self.sampled_plan: list[float] = []
+        self.sampled_balanced: list[float] = []
+
+    def add(self, r0: int, r1: int, index: np.ndarray) -> None:
+        s, per_round = self.spec, self.spec.prompts_per_round
+        loads = self.tokens[index].reshape(r1 - r0, s.num_sp_groups, s.prompts_per_sp_group).sum(axis=2)
+        self.group_tokens += loads.sum(axis=0)
+        ratios = _max_over_mean(loads)
+        self.ratio_sum += float(ratios.sum())
+        self.ratio_max = max(self.ratio_max, float(ratios.max()))
+        for r in self.sampled[(self.sampled >= r0) & (self.sampled < r1)] - r0:
+            self.sampled_plan.append(float(ratios[r]))
+            round_workload = self.workload[index[r * per_round : (r + 1) * per_round]]
+            self.sampled_balanced.append(_balanced_ratio(round_workload, s.num_sp_groups))
+
+    def tokens_per_rank(self) -> dict[str, float]:
+        rank = self.group_tokens / self.spec.sequence_parallel_degree  # an SP group's ranks split its sequences
+        return {
+            "per_round_mean": float(rank.mean() / self.spec.generation_rounds),
+            "total_mean": float(rank.mean()),
+            "total_max": float(rank.max()),
+        }
+
+    def imbalance(self) -> dict[str, Any]:
+        rounds, coef = self.spec.generation_rounds, self.spec.balance_quadratic_coef
+        out: dict[str, Any] = {
+            "load": "prompt_tokens x num_generations per SP group (its ranks share it)",
+            "plan_order": {"mean_max_over_mean": self.ratio_sum / rounds, "max_max_over_mean": self.ratio_max,
+                           "rounds": rounds},
+            "seqlen_balanced": None,
+        }
+        if self.balance:
+            out["seqlen_balanced"] = {
+                "workload": "prompt_tokens x num_generations" if coef is None else f"num_generations x ({coef}L + L^2)",
+                "mean_max_over_mean": float(np.mean(self.sampled_balanced)),
+                "max_max_over_mean": float(np.max(self.sampled_balanced)),
+                "plan_order_mean_max_over_mean_same_rounds": float(np.mean(self.sampled_plan)),
+                "rounds_sampled": int(self.sampled.size),
+            }
+        return out
+
+
+def _balanced_ratio(workload: np.ndarray, groups: int) -> float:
+    """Max/mean SP-group load after the trainer's group-level balancing (equal prompt counts per SP group)."""
+    from grpo.balance import balance_groups
+
+    parts = balance_groups(workload, groups, equal_count=True)
+    return float(_max_over_mean(np.array([workload[p].sum() for p in parts])))
+
+
+# ------------------------------------------------------------------------------------------------------- reading
+
+
+def read_plan_meta(plan_path: str | Path) -> dict[str, Any]:
+    """The numbers a plan was written with (spec, generation_rounds, rounds_per_epoch, dataset_size)."""
+    try:
+        metadata = pq.read_schema(plan_path).metadata or {}
+    except (OSError, pa.ArrowInvalid) as err:
+        raise DataError(f"plan {plan_path}: not a readable plan file: {err}") from None
+    if _META_KEY not in metadata:
+        raise DataError(f"plan {plan_path}: no {_META_KEY.decode()!r} metadata; not written by grpo.plan")
+    return json.loads(metadata[_META_KEY])
+
+
+def _int_in(value: object, low: int, high: int) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and low <= value < high
+
+
+def read_plan_indices(plan_path: str | Path, sp_group: int, start_round: int = 0) -> Iterator[int]:
+    """Prompt indices for the ranks of ``sp_group`` in sampler order from ``start_round`` on: each prompt
+    ``num_generations`` times in a row, each round's slice ``num_iterations * steps_per_generation`` times.
+
+    Reads one row group at a time and skips those that end before ``start_round``, so a resumed trainer does not
+    load the plan into memory."""
+    meta = read_plan_meta(plan_path)
+    spec, rounds = meta["spec"], meta["generation_rounds"]
+    groups = spec["world_size"] // spec["sequence_parallel_degree"]
+    if not _int_in(sp_group, 0, groups):
+        raise ValueError(f"sp_group must be an integer in [0, {groups}) for this plan, got {sp_group!r}")
+    if not _int_in(start_round, 0, rounds + 1):
+        raise ValueError(f"start_round must be an integer in [0, {rounds}] for this plan, got {start_round!r}")
+    return _iter_indices(Path(plan_path), spec, int(sp_group), int(start_round))
+
+
+def _iter_indices(plan_path: Path, spec: dict[str, Any], sp_group: int, start_round: int) -> Iterator[int]:
+    gen, b = spec["num_generations"], spec["prompts_per_sp_group"]
+    repeat = spec["num_iterations"] * spec["steps_per_generation"]
+    pf = pq.ParquetFile(plan_path)
+    round_col = pf.schema_arrow.get_field_index("round")
+    for i in range(pf.num_row_groups):
+        stats = pf.metadata.row_group(i).column(round_col).statistics
+        if stats is not None and stats.has_min_max and stats.max < start_round:
+            continue
+        table = pf.read_row_group(i, columns=["round", "sp_group", "prompt_index"])
+        keep = (table.column("sp_group").to_numpy() == sp_group) & (table.column("round").to_numpy() >= start_round)
+        for batch in table.column("prompt_index").to_numpy()[keep].reshape(-1, b):
+            yield from np.tile(np.repeat(batch, gen), repeat).tolist()
+
+
+class PlanSampler(Sampler[int]):
+    """A rank's prompt indices read from a plan: what the SP sampler would yield, from ``start_round`` on."""
+
+    def __init__(self, plan_path: str | Path, rank: int, sequence_parallel_degree: int, start_round: int = 0) -> None:
+        self.plan_path = Path(plan_path)
+        meta = read_plan_meta(self.plan_path)
+        spec = meta["spec"]
+        degree = spec["sequence_parallel_degree"]
+        if sequence_parallel_degree != degree:
+            raise ValueError(
+                f"sequence_parallel_degree={sequence_parallel_degree} does not match the plan's {degree}; "
+                f"re-plan with sampling.sequence_parallel_degree={sequence_parallel_degree}"
+            )
+        if not _int_in(rank, 0, spec["world_size"]):
+            raise ValueError(f"rank must be an integer in [0, {spec['world_size']}) for this plan, got {rank!r}")
+        self.sp_group = sp_group_of(int(rank), sequence_parallel_degree)
+        self.start_round = start_round
+        read_plan_indices(self.plan_path, self.sp_group, start_round)  # validates start_round now, not at iteration
+        per_round = spec["prompts_per_sp_group"] * spec["num_generations"]
+        repeat = spec["num_iterations"] * spec["steps_per_generation"]
+        self._len = (meta["generation_rounds"] - start_round) * per_round * repeat
+
+    def __iter__(self) -> Iterator[int]:
+        return read_plan_indices(self.plan_path, self.sp_group, self.start_round)
+
+    def __len__(self) -> int:
+        return self._len
+
+
+# ------------------------------------------------------------------------------------------------ CLI helpers
+
+
+def train_prompt_lengths(cfg: ExperimentConfig) -> np.ndarray:
+    """Token length of every training prompt: characters for the tiny model, the model's tokenizer otherwise."""
+    from grpo.data import load_task_data
+
+    prompts = load_task_data(cfg.data)["train"]["prompt"]
+    if cfg.model.is_tiny:
+        return np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+    except Exception as err:  # missing files, offline hub, unknown id: all user-facing
+        name = cfg.model.name_or_path
+        raise ConfigError(f"model.name_or_path {name!r}: could not load its tokenizer: {err}") from None
+    if prompts and not isinstance(prompts[0], str):  # chat format: rendered to text first, as TRL does
+        prompts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    return np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+
+
+def summary_table(summary: PlanSummary) -> Any:
+    """A short rich table of the numbers a user checks before launching a run."""
+    from rich.table import Table
+
+    imb, tokens = summary.predicted_imbalance, summary.expected_prompt_tokens_per_rank
+
+    def ratios(d: dict[str, Any]) -> str:
+        return f"{d['mean_max_over_mean']:.4f} / {d['max_max_over_mean']:.4f}"
+
+    rows = [
+        ("plan", summary.plan_path),
+        ("rows (prompts)", f"{summary.rows:,}"),
+        ("optimizer steps / micro-steps", f"{summary.optimizer_steps:,} / {summary.micro_steps:,}"),
+        ("generation rounds", f"{summary.generation_rounds:,} ({summary.rounds_per_epoch:,} per epoch)"),
+        ("prompts per round", f"{summary.prompts_per_round:,}"),
+        ("epochs", f"{summary.epochs}"),
+        ("unique prompts used", f"{summary.unique_prompts_used:,} of {summary.dataset_size:,}"),
+        ("completions", f"{summary.completions_total:,}"),
+        ("prompt tokens per rank and round", f"{tokens['per_round_mean']:,.1f}"),
+        ("max:mean rank load (mean / max)", ratios(imb["plan_order"])),
+    ]
+    if imb["seqlen_balanced"]:
+        rows.append(("after seqlen balancing", ratios(imb["seqlen_balanced"])))
+    table = Table(title="GRPO plan", show_header=False)
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
