@@ -14,6 +14,7 @@ from grpo import distributed
 from grpo.config import ExperimentConfig
 from grpo.data import load_task_data
 from grpo.evaluation import EvalResult, evaluate_policy
+from grpo.plan import build_plan, prompt_token_lengths
 from grpo.policy import Policy, load_policy
 from grpo.rewards import get_reward
 from grpo.runs import RunDir
@@ -65,6 +66,14 @@ def run_experiment(
     if not main:
         policy = load_policy(cfg, data, log=log)
 
+    plan_path = run.path / "plan" / "plan.parquet"
+    if main and not plan_path.is_file():
+        tokenizer = None if cfg.model.is_tiny else policy.tokenizer
+        lengths = prompt_token_lengths(list(data["train"]["prompt"]), tokenizer)
+        plan = build_plan(cfg, lengths, plan_path.parent)
+        log(f"plan: {plan.generation_rounds} generation rounds, {plan.prompts_per_round} prompts each")
+    distributed.barrier()
+
     before = run.read_json("eval_before.json") if resume else None
     if main and before is None and cfg.evaluation.enabled and cfg.evaluation.before_training:
         before = _eval_record(evaluate(cfg, policy, data))
@@ -72,7 +81,7 @@ def run_experiment(
     if before is not None:
         log(f"eval before: accuracy {before['accuracy']:.3f}")
 
-    result = train_grpo(cfg, policy, data["train"], run, resume)
+    result = train_grpo(cfg, policy, data["train"], run, resume, plan_path=plan_path)
     log(f"train: {result.steps} steps in {result.seconds:.1f}s")
 
     if not main:

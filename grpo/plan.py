@@ -533,9 +533,9 @@ def train_prompt_lengths(cfg: ExperimentConfig) -> np.ndarray:
     """Token length of every training prompt: characters for the tiny model, the model's tokenizer otherwise."""
     from grpo.data import load_task_data
 
-    prompts = load_task_data(cfg.data)["train"]["prompt"]
+    prompts = list(load_task_data(cfg.data)["train"]["prompt"])
     if cfg.model.is_tiny:
-        return np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
+        return prompt_token_lengths(prompts, None)
     try:
         from transformers import AutoTokenizer
 
@@ -543,6 +543,13 @@ def train_prompt_lengths(cfg: ExperimentConfig) -> np.ndarray:
     except Exception as err:  # missing files, offline hub, unknown id: all user-facing
         name = cfg.model.name_or_path
         raise ConfigError(f"model.name_or_path {name!r}: could not load its tokenizer: {err}") from None
+    return prompt_token_lengths(prompts, tokenizer)
+
+
+def prompt_token_lengths(prompts: list, tokenizer: Any | None) -> np.ndarray:
+    """Prompt lengths in tokens; ``tokenizer=None`` means one token per character (the tiny model)."""
+    if tokenizer is None:
+        return np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
     if prompts and not isinstance(prompts[0], str):  # chat format: rendered to text first, as TRL does
         prompts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
     ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]

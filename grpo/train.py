@@ -68,7 +68,8 @@ class TrainResult:
 
 
 def train_grpo(
-    cfg: ExperimentConfig, policy: Policy, train_dataset: Dataset, run: RunDir, resume: bool
+    cfg: ExperimentConfig, policy: Policy, train_dataset: Dataset, run: RunDir, resume: bool,
+    plan_path: Path | None = None,
 ) -> TrainResult:
     from grpo.trainer import GRPOTrainer
 
@@ -85,6 +86,7 @@ def train_grpo(
         train_dataset=train_dataset,
         callbacks=[recorder],
         experiment=cfg,
+        plan_path=plan_path,
     )
     checkpoint = run.latest_checkpoint() if resume else None
     start = time.perf_counter()

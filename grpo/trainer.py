@@ -13,6 +13,7 @@ Everything else (every ``trl.GRPOConfig`` option, vLLM, PEFT, logging) is TRL's 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid,
 from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError
 from grpo.group_balancing import rebalance_groups, split_by_token_budget
+from grpo.plan import PlanSampler
 from grpo.sampling import SequenceParallelRepeatRandomSampler
 
 TESTED_TRL_VERSION = "1.16.0"
@@ -31,13 +33,16 @@ TESTED_TRL_VERSION = "1.16.0"
 class GRPOTrainer(trl.GRPOTrainer):
     """TRL's GRPO trainer with extension points; see the module docstring."""
 
-    def __init__(self, *args: Any, experiment: ExperimentConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, experiment: ExperimentConfig | None = None, plan_path: str | Path | None = None, **kwargs: Any
+    ) -> None:
         if trl.__version__ != TESTED_TRL_VERSION:
             raise RuntimeError(
                 f"grpo.trainer overrides TRL internals tested with trl=={TESTED_TRL_VERSION}, found {trl.__version__}; "
                 f"install the pinned version (pip install -e .)"
             )
         self.experiment = experiment
+        self.plan_path = Path(plan_path) if plan_path is not None else None
         super().__init__(*args, **kwargs)
         if experiment is not None:
             check_launch_matches_config(experiment, self.accelerator.num_processes)
@@ -51,12 +56,15 @@ class GRPOTrainer(trl.GRPOTrainer):
     def build_train_sampler(self, dataset) -> Sampler:
         """The sampler over prompt indices.
 
-        One process: TRL's ``RepeatSampler`` (a global order that accelerate shards). Several processes: the
+        With a sampler plan (``grpo run`` writes one per run): the plan's rows for this rank. Otherwise, one process:
+        TRL's ``RepeatSampler`` (a global order that accelerate shards). Several processes: the
         rank-aware :class:`SequenceParallelRepeatRandomSampler`, so every rank draws whole prompt groups of its own
         (different ranks, different prompts), the same on every restart.
         """
         world = self.accelerator.num_processes
         sp_degree = self.experiment.sampling.sequence_parallel_degree if self.experiment else 1
+        if self.plan_path is not None:  # the pipeline's plan stage wrote the schedule: follow it exactly
+            return PlanSampler(self.plan_path, self.accelerator.process_index, sp_degree)
         if world == 1 and sp_degree == 1:
             return super()._get_train_sampler(dataset)
         return SequenceParallelRepeatRandomSampler(
@@ -89,7 +97,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         # second time (each rank keeping every world_size-th of its own batches). Make the wrapper a passthrough.
         sharded = getattr(dataloader, "batch_sampler", None)
         inner = getattr(sharded, "batch_sampler", None)
-        if isinstance(getattr(inner, "sampler", None), SequenceParallelRepeatRandomSampler):
+        if isinstance(getattr(inner, "sampler", None), (SequenceParallelRepeatRandomSampler, PlanSampler)):
             sharded.num_processes = 1
             sharded.process_index = 0
         return dataloader

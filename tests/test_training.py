@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 
 from grpo.config import load_config
+from grpo.data import load_task_data
+from grpo.plan import read_plan_indices
 from grpo.experiment import run_experiment
 from grpo.runs import RunDir, open_run_dir
 from tests.conftest import REPO, micro_overrides
@@ -41,15 +44,32 @@ def test_default_task_mean_reward_rises(tmp_path):
     assert (run.model_dir / "config.json").is_file() and run.config_file.is_file()
 
 
-def test_killed_run_resumes_from_last_checkpoint(tmp_path):
-    """Kill training after its first checkpoint; ``--resume`` continues there and the step sequence is continuous."""
+RECORDER = '''
+import json, os
+from grpo.rewards import register_reward, exact_match
+
+@register_reward("exact_match_recorded")
+def exact_match_recorded(prompts, completions, answer, **kwargs):
+    with open(os.environ["PROMPT_LOG"], "a") as f:
+        f.write(json.dumps(list(prompts)) + "\\n")
+    return exact_match(completions, answer)
+'''
+
+
+def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path):
+    """Kill training after its first checkpoint; ``--resume`` continues there, the step sequence is continuous and
+    the prompts after the resume are exactly the sampler plan's next rounds."""
+    (tmp_path / "recorder.py").write_text(RECORDER)
     overrides = micro_overrides(tmp_path, **{"grpo.max_steps": 40, "grpo.save_steps": 8, "grpo.logging_steps": 4,
-                                             "evaluation.enabled": "false"})
-    cmd = [sys.executable, "-m", "grpo.cli", "run", "--run-name", "killed"]
+                                             "evaluation.enabled": "false",
+                                             "grpo.reward_funcs": "[exact_match_recorded]"})
+    cmd = [sys.executable, "-m", "grpo.cli", "run", "--run-name", "killed", "--reward-module",
+           str(tmp_path / "recorder.py")]
     for item in overrides:
         cmd += ["--set", item]
     run = RunDir(tmp_path / "killed")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "PROMPT_LOG": str(tmp_path / "first.jsonl")}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline and not (run.checkpoints / "checkpoint-8" / "trainer_state.json").is_file():
         if proc.poll() is not None:
@@ -61,7 +81,8 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     assert killed_at is not None and int(killed_at.name.split("-")[1]) < 40
     assert not run.summary_file.exists()
 
-    resumed = subprocess.run(cmd + ["--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    env["PROMPT_LOG"] = str(tmp_path / "resumed.jsonl")
+    resumed = subprocess.run(cmd + ["--resume"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     summary = json.loads(run.summary_file.read_text())
     assert summary["steps"] == 40 and summary["resumed_from"].endswith(killed_at.name)
@@ -70,6 +91,14 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     resumed_from = int(killed_at.name.split("-")[1])
     after = [s for s in steps if s > resumed_from]
     assert after == list(range(resumed_from + 4, 41, 4))
+
+    # one generation round per optimizer step here: the resumed process scored rounds resumed_from .. 39 of the plan
+    cfg = load_config(None, [o for o in overrides if not o.startswith("grpo.reward_funcs")])
+    prompts = load_task_data(cfg.data)["train"]["prompt"]
+    planned = list(read_plan_indices(run.path / "plan" / "plan.parquet", sp_group=0, start_round=resumed_from))
+    scored = [p for line in (tmp_path / "resumed.jsonl").read_text().splitlines() for p in json.loads(line)]
+    assert scored == [prompts[i] for i in planned]
+    assert len(scored) == (40 - resumed_from) * 16
 
     changed = subprocess.run(cmd + ["--resume", "--set", "grpo.learning_rate=0.5"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
