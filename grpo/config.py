@@ -304,6 +304,11 @@ class ExperimentConfig(_Section):
                 f"grpo.num_generations ({g.num_generations}) must be divisible by grpo.num_generations_chunks "
                 f"({g.num_generations_chunks}); valid: {[c for c in range(1, g.num_generations + 1) if g.num_generations % c == 0]}"
             )
+        if g.num_generations_chunks > g.per_device_train_batch_size:
+            raise ValueError(
+                f"grpo.num_generations_chunks ({g.num_generations_chunks}) can not exceed "
+                f"grpo.per_device_train_batch_size ({g.per_device_train_batch_size}), the rows it splits"
+            )
         if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
             raise ValueError(f"grpo.epsilon_high ({g.epsilon_high}) must be >= grpo.epsilon ({g.epsilon})")
         if g.loss_type == "luspo" and g.importance_sampling_level != "sequence":

@@ -149,8 +149,61 @@ class GRPOTrainer(trl.GRPOTrainer):
         return self.compute_policy_loss(model, inputs)
 
     def compute_policy_loss(self, model, inputs: dict[str, torch.Tensor | Any]) -> torch.Tensor:
-        """The clipped GRPO surrogate for one micro-batch (TRL's implementation)."""
-        return super()._compute_loss(model, inputs)
+        """The clipped GRPO surrogate for one micro-batch: TRL's implementation, plus
+
+        * ``async.skip_zero_advantage_batches``: when every advantage on every rank is zero the micro-batch has no
+          policy-gradient signal, so its forward/backward is skipped on all ranks together (DDP never waits on a
+          rank that skipped alone). Other micro-batches keep their normalisation: each is normalised on its own or
+          by the generation batch's global token count, never by the number of micro-batches that ran.
+        * ``grpo.num_generations_chunks``: the micro-batch's completions are split into chunks, each with its own
+          forward and backward, so activation memory is bounded by a chunk while advantages still come from the
+          whole group. Chunk losses are weighted so the summed gradient equals the unchunked one.
+        """
+        if model.training and self._skip_zero_advantage and self._no_signal_anywhere(inputs["advantages"]):
+            self._metrics["train"]["skipped_zero_adv_batches"].append(1.0)
+            # A zero that touches every parameter: backward runs (and DDP's hooks fire) without any activations.
+            return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        if model.training and self._skip_zero_advantage:
+            self._metrics["train"]["skipped_zero_adv_batches"].append(0.0)
+        chunks = self.experiment.grpo.num_generations_chunks if self.experiment else 1
+        if chunks == 1 or not model.training or not torch.is_grad_enabled():
+            return super()._compute_loss(model, inputs)
+        return self._chunked_loss(model, inputs, chunks)
+
+    @property
+    def _skip_zero_advantage(self) -> bool:
+        return bool(self.experiment and self.experiment.async_.skip_zero_advantage_batches)
+
+    def _no_signal_anywhere(self, advantages: torch.Tensor) -> bool:
+        has_signal = (advantages != 0).any().float().reshape(1)
+        return bool(self.accelerator.reduce(has_signal, reduction="sum").item() == 0)
+
+    def _chunked_loss(self, model, inputs: dict[str, torch.Tensor | Any], chunks: int) -> torch.Tensor:
+        """Backward every chunk but the last here; return the last chunk's loss for the trainer's own backward."""
+        n = inputs["completion_ids"].shape[0]
+        bounds = [round(i * n / chunks) for i in range(chunks + 1)]
+        per_sample = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n]
+        mask = inputs["completion_mask"]
+        total_tokens = mask.sum().clamp(min=1)
+        done = torch.zeros((), device=mask.device)
+        loss = done
+        for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if hi == lo:
+                continue
+            chunk = {k: (v[lo:hi] if k in per_sample else v) for k, v in inputs.items()}
+            if self.loss_type == "bnpo":  # normalised by the micro-batch's token count
+                weight = chunk["completion_mask"].sum() / total_tokens
+            elif self.loss_type in ("cispo", "dapo", "vespo"):  # normalised by the generation batch's token count
+                weight = 1.0
+            else:  # grpo, sapo, dr_grpo, luspo: means over sequences
+                weight = (hi - lo) / n
+            loss = super()._compute_loss(model, chunk) * weight
+            if i < chunks - 1:
+                with self.accelerator.no_sync(model):
+                    self.accelerator.backward(loss)
+                done = done + loss.detach()
+        # the caller backpropagates the returned tensor: only the last chunk's graph is still attached
+        return loss + done
 
 
 def check_launch_matches_config(experiment: ExperimentConfig, launched: int) -> None:

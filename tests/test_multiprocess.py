@@ -81,6 +81,7 @@ def test_torchrun_seqlen_balancing_exchanges_groups_and_logs_balance(tmp_path):
         "sampling.world_size": 2, "sampling.seqlen_balancing": "true", "grpo.max_steps": 4,
         "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4, "grpo.steps_per_generation": 2,
         "grpo.logging_steps": 1, "grpo.save_steps": 100, "evaluation.enabled": "false",
+        "async.skip_zero_advantage_batches": "true",
     })
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29534",
            "-m", "grpo.cli", "run", "--run-name", "balanced"]
@@ -90,6 +91,8 @@ def test_torchrun_seqlen_balancing_exchanges_groups_and_logs_balance(tmp_path):
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line)["metrics"] for line in (tmp_path / "balanced" / "metrics.jsonl").read_text().splitlines()]
+    # ranks agreed on every zero-advantage skip (a rank skipping alone would hang DDP and the run would time out)
+    assert any("skipped_zero_adv_batches" in r for r in rows)
     balanced = [r for r in rows if "balance/imbalance" in r]
     assert balanced, "no balance metrics logged"
     for r in balanced:
