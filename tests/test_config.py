@@ -102,7 +102,6 @@ def test_invalid_values_are_rejected_with_field_and_valid_values(overrides, frag
         ("async.reroll_start_fraction=0.5", "async.reroll_start_fraction"),
         ("async.reward_num_workers=2", "async.reward_num_workers"),
         ("async.vllm_importance_sampling_correction=true", "async.vllm_importance_sampling_correction"),
-        ("sampling.seqlen_balancing=true", "sampling.seqlen_balancing"),
         ("tracking.backend=mlflow", "tracking.backend"),
     ],
 )
