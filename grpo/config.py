@@ -236,7 +236,8 @@ class AsyncSection(_Section):
     replay_buffer_size: int = Field(0, ge=0)
     replay_recompute_logps: bool = True
     reroll_start_fraction: float = Field(1.0, ge=0, le=1, description="1.0 disables deferred re-roll.")
-    reroll_max_groups: int = Field(1, ge=1)
+    reroll_max_groups: int = Field(1, ge=1, description="Re-roll prompt groups injected per generation batch.")
+    reroll_buffer_size: int = Field(256, ge=1, description="Failed prompts kept for re-roll; the oldest are dropped.")
     skip_zero_advantage_batches: bool = False
 
 
@@ -329,6 +330,11 @@ class ExperimentConfig(_Section):
                 f"model.tiny.max_position_embeddings ({self.model.tiny.max_position_embeddings}) is too small for "
                 f"grpo.max_completion_length ({g.max_completion_length}) plus a prompt"
             )
+        if a.replay_buffer_size and g.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(
+                "async.replay_buffer_size needs grpo.multi_objective_aggregation 'sum_then_normalize': replayed groups' "
+                "advantages are recomputed from their summed rewards"
+            )
         if s.sequence_parallel_degree > 1:
             raise ValueError(
                 f"sampling.sequence_parallel_degree={s.sequence_parallel_degree}: sequence-parallel attention "
@@ -356,8 +362,6 @@ class ExperimentConfig(_Section):
             "async.off_policy_mask_threshold": a.off_policy_mask_threshold is not None,
             "async.use_bias_correction_kl": a.use_bias_correction_kl,
             "async.reward_num_workers": a.reward_num_workers > 1,
-            "async.replay_buffer_size": a.replay_buffer_size > 0,
-            "async.reroll_start_fraction": a.reroll_start_fraction < 1.0,
             "tracking.backend": self.tracking.backend != "none",
         }
         on = [k for k, v in pending.items() if v]

@@ -25,6 +25,7 @@ from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError
 from grpo.group_balancing import rebalance_groups, split_by_token_budget
 from grpo.plan import PlanSampler
+from grpo.replay import ReplayBuffer, RerollBuffer, group_advantages, inject_rerolls, place_group
 from grpo.sampling import SequenceParallelRepeatRandomSampler
 
 TESTED_TRL_VERSION = "1.16.0"
@@ -44,6 +45,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.experiment = experiment
         self.plan_path = Path(plan_path) if plan_path is not None else None
         super().__init__(*args, **kwargs)
+        a = experiment.async_ if experiment is not None else None
+        self._replay = ReplayBuffer(a.replay_buffer_size, seed=self.args.seed) if a and a.replay_buffer_size else None
+        self._reroll = RerollBuffer(a.reroll_buffer_size) if a and a.reroll_start_fraction < 1.0 else None
+        self._last_rewards_per_func: torch.Tensor | None = None
         if experiment is not None:
             check_launch_matches_config(experiment, self.accelerator.num_processes)
 
@@ -118,8 +123,17 @@ class GRPOTrainer(trl.GRPOTrainer):
     def assemble_generation_batch(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
         """Generate completions for the rows, score them and compute advantages (TRL's implementation); with
         ``sampling.seqlen_balancing`` and several ranks, then exchange whole groups for balanced token loads."""
+        training = self.model.training
+        if training and self._reroll is not None:
+            inputs = self._inject_rerolls(inputs)
         batch = self._generate_and_score_completions(inputs)
-        if self.model.training and self._balancing:
+        if training and (self._replay is not None or self._reroll is not None):
+            rewards = self._local_rewards(len(inputs))
+            if self._reroll is not None:
+                self._buffer_failed_groups(inputs, rewards)
+            if self._replay is not None:
+                self._apply_replay(batch, rewards)
+        if training and self._balancing:
             batch, metrics = rebalance_groups(
                 batch, self.num_generations, self.accelerator.process_index, self.accelerator.num_processes,
                 self.processing_class.pad_token_id if hasattr(self.processing_class, "pad_token_id") else 0,
@@ -128,6 +142,101 @@ class GRPOTrainer(trl.GRPOTrainer):
             for name, value in metrics.items():
                 self._metrics["train"][name].append(value)
         return batch
+
+    # ---- rewards of the last batch (TRL keeps them local to _generate_and_score_completions)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._last_rewards_per_func = rewards_per_func
+        return rewards_per_func
+
+    def _local_rewards(self, n: int) -> torch.Tensor:
+        """This rank's weighted total reward per completion (NaN where every reward function abstained)."""
+        rpf = self._last_rewards_per_func
+        start = self.accelerator.process_index * n
+        local = rpf[start : start + n]
+        total = (local * self.reward_weights.to(local.device).unsqueeze(0)).nansum(dim=1)
+        total[torch.isnan(local).all(dim=1)] = torch.nan
+        return total.detach().cpu()
+
+    # ---- deferred re-roll
+
+    def _inject_rerolls(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        a = self.experiment.async_
+        start_step = int(a.reroll_start_fraction * self.args.max_steps)
+        taken = self._reroll.take(a.reroll_max_groups) if self.state.global_step >= start_step else []
+        self._metrics["train"]["reroll_injected"].append(float(len(taken)))
+        return inject_rerolls(inputs, taken, self.num_generations) if taken else inputs
+
+    def _buffer_failed_groups(self, inputs: list[dict[str, Any]], rewards: torch.Tensor) -> None:
+        grouped = torch.nan_to_num(rewards, nan=0.0).view(-1, self.num_generations)
+        failed = (grouped.max(dim=1).values <= 0) & (grouped.std(dim=1) == 0)
+        for g in failed.nonzero().flatten().tolist():
+            self._reroll.add(inputs[g * self.num_generations])
+        self._metrics["train"]["reroll_buffered"].append(float(failed.sum()))
+        self._metrics["train"]["reroll_buffer_size"].append(float(len(self._reroll)))
+        self._metrics["train"]["reroll_dropped"].append(float(self._reroll.dropped))
+
+    # ---- replay buffer
+
+    def _apply_replay(self, batch: dict[str, Any], rewards: torch.Tensor) -> None:
+        """Replace zero-signal groups by buffered ones, then buffer this batch's groups that have signal."""
+        G = self.num_generations
+        grouped = torch.nan_to_num(rewards, nan=0.0).view(-1, G)
+        std = grouped.std(dim=1)
+        advantages = batch["advantages"].detach().cpu().view(-1, G)
+        pad = getattr(self.processing_class, "pad_token_id", 0) or 0
+        per_token = [k for k in batch if k.endswith("per_token_logps") and isinstance(batch[k], torch.Tensor)]
+
+        zero = (std == 0).nonzero().flatten().tolist()
+        batch_std = None
+        if self.scale_rewards == "batch":  # TRL scales by the std of the whole (gathered) batch
+            all_rewards = (self._last_rewards_per_func * self.reward_weights.to(
+                self._last_rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+            batch_std = float(all_rewards.std())
+        replaced = []
+        for g, group in zip(zero, self._replay.sample(len(zero))):
+            rows = slice(g * G, (g + 1) * G)
+            place_group(batch, rows, group, pad)
+            batch["advantages"][rows] = group_advantages(group["rewards"], self.scale_rewards, batch_std).to(
+                batch["advantages"].device, batch["advantages"].dtype
+            )
+            replaced.append(rows)
+        if replaced:
+            self._refresh_replayed(batch, replaced)
+
+        for g in (std > 0).nonzero().flatten().tolist():
+            rows = slice(g * G, (g + 1) * G)
+            score = float(advantages[g].abs().sum() * std[g])
+            group = {k: batch[k][rows].detach().cpu().clone() for k in
+                     ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", *per_token)}
+            group["rewards"] = grouped[g].clone()
+            self._replay.add(score, group)
+        self._metrics["train"]["replay_buffer_replacements"].append(float(len(replaced)))
+        self._metrics["train"]["replay_buffer_size"].append(float(len(self._replay)))
+
+    def _refresh_replayed(self, batch: dict[str, Any], replaced: list[slice]) -> None:
+        """Replayed groups were sampled by an older policy: recompute their old (and reference) log-probs for the
+        current one when asked, and recount the tokens the loss is normalised by."""
+        if self.experiment.async_.replay_recompute_logps:
+            logits_to_keep = batch["completion_ids"].shape[1]
+            models = {"old_per_token_logps": self.model}
+            if self.beta != 0.0 and self.ref_model is not None:
+                models["ref_per_token_logps"] = self.ref_model
+            with torch.no_grad():
+                for key, model in models.items():
+                    if key not in batch:
+                        continue
+                    for rows in replaced:
+                        ids = torch.cat([batch["prompt_ids"][rows], batch["completion_ids"][rows]], 1)
+                        mask = torch.cat([batch["prompt_mask"][rows], batch["completion_mask"][rows]], 1)
+                        logps, _, _ = self._get_per_token_logps_and_entropies(model, ids, mask, logits_to_keep)
+                        batch[key][rows] = logps
+        if "importance_sampling_ratio" in batch:  # the generator's ratio does not apply to replayed rows
+            for rows in replaced:
+                batch["importance_sampling_ratio"][rows] = 1.0
+        tokens = batch["completion_mask"].sum().float().reshape(1)
+        batch["num_items_in_batch"] = self.accelerator.reduce(tokens, reduction="sum").squeeze(0)
 
     @property
     def _balancing(self) -> bool:

@@ -98,8 +98,6 @@ def test_invalid_values_are_rejected_with_field_and_valid_values(overrides, frag
     [
         ("async.async_prefetch=true", "async.async_prefetch"),
         ("async.use_data_producer=true", "async.use_data_producer"),
-        ("async.replay_buffer_size=8", "async.replay_buffer_size"),
-        ("async.reroll_start_fraction=0.5", "async.reroll_start_fraction"),
         ("async.reward_num_workers=2", "async.reward_num_workers"),
         ("async.vllm_importance_sampling_correction=true", "async.vllm_importance_sampling_correction"),
         ("tracking.backend=mlflow", "tracking.backend"),

@@ -1,0 +1,127 @@
+"""Replay buffer and deferred re-roll: buffers, and the trainer really replacing groups / re-injecting prompts."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo.config import load_config
+from grpo.data import load_task_data
+from grpo.policy import load_policy
+from grpo.replay import ReplayBuffer, RerollBuffer, inject_rerolls, place_group
+from grpo.rewards import get_reward, register_reward
+from grpo.train import grpo_args
+from grpo.trainer import GRPOTrainer
+from tests.conftest import micro_overrides
+
+SCORED: list[list[str]] = []
+
+
+@register_reward("test_signal_if_even")
+def signal_if_even(prompts, completions, **kwargs):
+    """Groups of prompts starting with an even digit get varied rewards; all others get 0 (no signal, failed)."""
+    SCORED.append(list(prompts))
+    return [float((int(p[0]) % 2 == 0) and (i % 2 == 0)) for i, p in enumerate(prompts)]
+
+
+def test_replay_buffer_keeps_the_best_and_samples_by_score():
+    buf = ReplayBuffer(2, seed=0)
+    assert not buf.add(0.0, {"id": "zero"})  # no signal, never kept
+    assert buf.add(1.0, {"id": "a"}) and buf.add(3.0, {"id": "b"})
+    assert buf.add(2.0, {"id": "c"})  # evicts a (1.0)
+    assert not buf.add(0.5, {"id": "d"})
+    assert len(buf) == 2 and sorted(g["id"] for g in buf.sample(50)) != []
+    draws = [g["id"] for g in buf.sample(3000)]
+    assert set(draws) == {"b", "c"} and 0.5 < draws.count("b") / draws.count("c") < 2.0  # ~3:2
+
+
+def test_reroll_buffer_is_bounded_and_counts_drops():
+    buf = RerollBuffer(2)
+    for i in range(5):
+        buf.add({"prompt": str(i)})
+    assert len(buf) == 2 and buf.dropped == 3
+    assert [r["prompt"] for r in buf.take(5)] == ["3", "4"] and len(buf) == 0
+
+
+def test_inject_rerolls_replaces_last_groups():
+    rows = [{"prompt": p} for p in "aabbcc"]
+    out = inject_rerolls(rows, [{"prompt": "x"}, {"prompt": "y"}], num_generations=2)
+    assert [r["prompt"] for r in out] == ["a", "a", "y", "y", "x", "x"]
+    assert [r["prompt"] for r in rows] == list("aabbcc")
+
+
+def test_place_group_widens_the_batch():
+    batch = {"prompt_ids": torch.ones(4, 2, dtype=torch.long), "prompt_mask": torch.ones(4, 2, dtype=torch.long),
+             "completion_ids": torch.ones(4, 2, dtype=torch.long), "completion_mask": torch.ones(4, 2, dtype=torch.long),
+             "advantages": torch.zeros(4)}
+    group = {"prompt_ids": torch.full((2, 3), 7), "prompt_mask": torch.ones(2, 3, dtype=torch.long),
+             "completion_ids": torch.full((2, 4), 9), "completion_mask": torch.ones(2, 4, dtype=torch.long)}
+    place_group(batch, slice(2, 4), group, pad_token_id=0)
+    assert batch["prompt_ids"].shape == (4, 3) and batch["completion_ids"].shape == (4, 4)
+    assert batch["prompt_ids"][0].tolist() == [0, 1, 1] and batch["prompt_mask"][0].tolist() == [0, 1, 1]
+    assert batch["completion_ids"][3].tolist() == [9, 9, 9, 9] and batch["completion_mask"][0].tolist() == [1, 1, 0, 0]
+
+
+def make_trainer(tmp_path, **extra) -> GRPOTrainer:
+    cfg = load_config(None, micro_overrides(tmp_path, **{"grpo.reward_funcs": "[test_signal_if_even]", **extra}))
+    data = load_task_data(cfg.data)
+    policy = load_policy(cfg, data, log=lambda *_: None)
+    trainer = GRPOTrainer(model=policy.model, processing_class=policy.tokenizer,
+                          reward_funcs=[get_reward(n) for n in cfg.grpo.reward_funcs],
+                          args=grpo_args(cfg, tmp_path / "out"), train_dataset=data["train"], experiment=cfg)
+    trainer.model.train()
+    return trainer
+
+
+def rows_starting_with(trainer, digits: str, groups: int, skip: int = 0) -> list[dict]:
+    picked = [r for r in trainer.train_dataset if r["prompt"][0] in digits][skip : skip + groups]
+    return [r for r in picked for _ in range(trainer.num_generations)]
+
+
+def test_trainer_replaces_zero_signal_groups_with_replayed_ones(tmp_path):
+    trainer = make_trainer(tmp_path, **{"async.replay_buffer_size": 4})
+    torch.manual_seed(0)
+    trainer.assemble_generation_batch(rows_starting_with(trainer, "2468", 4))  # all groups have signal: buffered
+    assert trainer._metrics["train"]["replay_buffer_size"][-1] == 4
+    assert trainer._metrics["train"]["replay_buffer_replacements"][-1] == 0
+
+    batch = trainer.assemble_generation_batch(rows_starting_with(trainer, "13579", 4))  # no group has signal
+    assert trainer._metrics["train"]["replay_buffer_replacements"][-1] == 4
+    adv = batch["advantages"].view(4, trainer.num_generations)
+    assert (adv.abs().sum(dim=1) > 0).all()  # every group now carries signal
+    def first_completion(ids, mask):
+        return tuple(t for t, m in zip(ids.tolist(), mask.tolist()) if m)
+
+    stored = {first_completion(e.group["completion_ids"][0], e.group["completion_mask"][0])
+              for e in trainer._replay._heap}
+    for g in range(4):
+        r = g * trainer.num_generations
+        assert first_completion(batch["completion_ids"][r], batch["completion_mask"][r]) in stored
+    assert int(batch["num_items_in_batch"]) == int(batch["completion_mask"].sum())
+
+
+def test_failed_prompts_are_reinjected_and_generated_again(tmp_path):
+    trainer = make_trainer(tmp_path, **{"async.reroll_start_fraction": 0.0, "async.reroll_max_groups": 2})
+    SCORED.clear()
+    failing = rows_starting_with(trainer, "13579", 1)
+    first = failing + rows_starting_with(trainer, "2468", 3)
+    trainer.assemble_generation_batch(first)
+    assert trainer._metrics["train"]["reroll_buffered"][-1] == 1
+    assert trainer._metrics["train"]["reroll_buffer_size"][-1] == 1
+
+    second = rows_starting_with(trainer, "2468", 4, skip=3)
+    assert failing[0]["prompt"] not in {r["prompt"] for r in second}
+    trainer.assemble_generation_batch(second)
+    assert trainer._metrics["train"]["reroll_injected"][-1] == 1
+    # the failed prompt was generated for and scored again, as a whole group, in the second batch
+    assert SCORED[-1].count(failing[0]["prompt"]) == trainer.num_generations
+    assert trainer._metrics["train"]["reroll_buffer_size"][-1] == 1  # it failed again, so it is buffered again
+
+
+def test_reroll_waits_for_the_start_fraction(tmp_path):
+    trainer = make_trainer(tmp_path, **{"async.reroll_start_fraction": 0.5})
+    trainer.assemble_generation_batch(rows_starting_with(trainer, "13579", 1) + rows_starting_with(trainer, "2468", 3))
+    trainer.assemble_generation_batch(rows_starting_with(trainer, "2468", 4, skip=3))
+    assert trainer._metrics["train"]["reroll_injected"] == [0.0, 0.0]  # global_step 0 < 0.5 * max_steps
+    trainer.state.global_step = trainer.args.max_steps // 2
+    trainer.assemble_generation_batch(rows_starting_with(trainer, "2468", 4, skip=7))
+    assert trainer._metrics["train"]["reroll_injected"][-1] == 1
