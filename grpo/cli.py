@@ -18,7 +18,7 @@ app = typer.Typer(
     help="GRPO experiment platform: config-driven GRPO training on TRL.",
 )
 
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Experiment YAML (default: built-in tiny preset).")]
+ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="Experiment YAML, e.g. configs/tiny.yaml.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a field: section.field=value (repeatable).")]
 RewardModuleOpt = Annotated[
     Optional[list[Path]], typer.Option("--reward-module", help="Python file registering reward functions (repeatable).")
@@ -41,7 +41,7 @@ def _load(config: Path | None, overrides: list[str] | None, reward_modules: list
 
 @app.command()
 def run(
-    config: ConfigOpt = None,
+    config: ConfigOpt,
     set_: SetOpt = None,
     run_name: Annotated[Optional[str], typer.Option("--run-name", help="Run directory name (default: <name>-<time>).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an existing run from its last checkpoint.")] = False,
@@ -73,7 +73,7 @@ def run(
 
 
 @app.command()
-def validate(config: ConfigOpt = None, set_: SetOpt = None, reward_module: RewardModuleOpt = None) -> None:
+def validate(config: ConfigOpt, set_: SetOpt = None, reward_module: RewardModuleOpt = None) -> None:
     """Check a config without building anything; prints the resolved YAML."""
     try:
         cfg = _load(config, set_, reward_module)
@@ -86,7 +86,7 @@ def validate(config: ConfigOpt = None, set_: SetOpt = None, reward_module: Rewar
 
 @app.command()
 def plan(
-    config: ConfigOpt = None,
+    config: ConfigOpt,
     set_: SetOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="Plan directory (default: <output_dir>/plans/<name>).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing plan.")] = False,

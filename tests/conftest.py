@@ -27,23 +27,10 @@ def _isolated_cache(tmp_path_factory):
         os.environ["GRPO_CACHE_DIR"] = old
 
 
+MICRO = REPO / "tests" / "micro.yaml"
+
+
 def micro_overrides(output_dir: Path, **extra: object) -> list[str]:
-    """--set overrides for a seconds-long run: small model, short warm start, few GRPO steps."""
-    base = {
-        "output_dir": str(output_dir),
-        "data.num_train": 600,
-        "data.num_eval": 64,
-        "model.tiny.hidden_size": 64,
-        "model.tiny.num_hidden_layers": 2,
-        "model.tiny.intermediate_size": 128,
-        "model.warm_start.steps": 60,
-        "grpo.max_steps": 12,
-        "grpo.per_device_train_batch_size": 16,
-        "grpo.num_generations": 4,
-        "grpo.logging_steps": 2,
-        "grpo.save_steps": 4,
-        "evaluation.num_prompts": 64,
-        "evaluation.pass_k": 2,
-    }
-    base.update(extra)
+    """--set overrides on top of tests/micro.yaml (use with ``load_config(MICRO, ...)`` / ``--config MICRO``)."""
+    base = {"output_dir": str(output_dir), **extra}
     return [f"{k}={v}" for k, v in base.items()]

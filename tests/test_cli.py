@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import MICRO, REPO
 
 
 def grpo(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -32,7 +32,7 @@ def grpo(*args: str, cwd) -> subprocess.CompletedProcess:
 def test_bad_input_is_one_line_exit_2_and_touches_nothing(tmp_path, args, fragment):
     (tmp_path / "BAD").write_text("grpo:\n  learning_rate: [1\n")
     args = [str(tmp_path / "BAD") if a == "BAD" else a for a in args]
-    result = grpo("run", *args, "--set", f"output_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    result = grpo("run", "--config", str(MICRO), *args, "--set", f"output_dir={tmp_path / 'runs'}", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
@@ -45,7 +45,8 @@ def test_existing_run_directory_is_never_overwritten(tmp_path):
     run = tmp_path / "runs" / "mine"
     run.mkdir(parents=True)
     (run / "precious.txt").write_text("keep me")
-    result = grpo("run", "--run-name", "mine", "--set", f"output_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    result = grpo("run", "--config", str(MICRO), "--run-name", "mine", "--set", f"output_dir={tmp_path / 'runs'}",
+                  cwd=tmp_path)
     assert result.returncode == 2
     assert "already exists; pass --resume" in result.stderr
     assert sorted(p.name for p in run.iterdir()) == ["precious.txt"]
@@ -55,6 +56,11 @@ def test_validate_prints_resolved_config(tmp_path):
     result = grpo("validate", "--config", str(REPO / "configs" / "tiny.yaml"), "--set", "grpo.beta=0.1", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "beta: 0.1" in result.stdout and "carry_error_rate: 0.6" in result.stdout
+
+
+def test_run_requires_a_config(tmp_path):
+    result = grpo("run", cwd=tmp_path)
+    assert result.returncode == 2 and "--config" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_rewards_lists_builtins(tmp_path):

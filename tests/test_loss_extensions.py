@@ -11,11 +11,11 @@ from grpo.policy import load_policy
 from grpo.rewards import get_reward
 from grpo.train import grpo_args
 from grpo.trainer import GRPOTrainer
-from tests.conftest import micro_overrides
+from tests.conftest import MICRO, micro_overrides
 
 
 def make_trainer(tmp_path, **extra) -> GRPOTrainer:
-    cfg = load_config(None, micro_overrides(tmp_path, **{"model.warm_start.steps": 200, **extra}))
+    cfg = load_config(MICRO, micro_overrides(tmp_path, **{"model.warm_start.steps": 200, **extra}))
     data = load_task_data(cfg.data)
     policy = load_policy(cfg, data, log=lambda *_: None)
     trainer = GRPOTrainer(model=policy.model, processing_class=policy.tokenizer,

@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.conftest import micro_overrides
+from tests.conftest import MICRO, micro_overrides
 
 RECORDER = '''
 import json, os
@@ -37,7 +37,7 @@ def test_torchrun_ranks_train_on_disjoint_prompts(tmp_path, nproc):
         "evaluation.num_prompts": 16, "evaluation.pass_k": 0,
     })
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(29530 + nproc),
-           "-m", "grpo.cli", "run", "--run-name", "ddp", "--reward-module", str(module)]
+           "-m", "grpo.cli", "run", "--config", str(MICRO), "--run-name", "ddp", "--reward-module", str(module)]
     for item in overrides:
         cmd += ["--set", item]
     env = {**os.environ, "PROMPT_LOG": str(log), "OMP_NUM_THREADS": "1"}
@@ -68,7 +68,7 @@ def test_torchrun_ranks_train_on_disjoint_prompts(tmp_path, nproc):
 
 def test_world_size_must_match_launch(tmp_path):
     """A config for 2 ranks launched as 1 process is refused with a clear message before training."""
-    cmd = [sys.executable, "-m", "grpo.cli", "run", "--run-name", "mismatch"]
+    cmd = [sys.executable, "-m", "grpo.cli", "run", "--config", str(MICRO), "--run-name", "mismatch"]
     for item in micro_overrides(tmp_path, **{"sampling.world_size": 2, "evaluation.enabled": "false"}):
         cmd += ["--set", item]
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -84,7 +84,7 @@ def test_torchrun_seqlen_balancing_exchanges_groups_and_logs_balance(tmp_path):
         "async.skip_zero_advantage_batches": "true",
     })
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29534",
-           "-m", "grpo.cli", "run", "--run-name", "balanced"]
+           "-m", "grpo.cli", "run", "--config", str(MICRO), "--run-name", "balanced"]
     for item in overrides:
         cmd += ["--set", item]
     result = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,

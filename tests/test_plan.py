@@ -226,7 +226,8 @@ def test_cli_plan_end_to_end_then_refuses_to_overwrite(tmp_path):
 
 
 def test_cli_plan_bad_input_is_one_line_exit_2(tmp_path):
-    result = grpo_cli("plan", "--set", f"output_dir={tmp_path / 'runs'}", "--set", "sampling.drop_last=true",
+    tiny = str(Path(__file__).parent.parent / "configs" / "tiny.yaml")
+    result = grpo_cli("plan", "--config", tiny, "--set", f"output_dir={tmp_path / 'runs'}", "--set", "sampling.drop_last=true",
                       "--set", "data.num_train=3", cwd=tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

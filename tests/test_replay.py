@@ -11,7 +11,7 @@ from grpo.replay import ReplayBuffer, RerollBuffer, inject_rerolls, place_group
 from grpo.rewards import get_reward, register_reward
 from grpo.train import grpo_args
 from grpo.trainer import GRPOTrainer
-from tests.conftest import micro_overrides
+from tests.conftest import MICRO, micro_overrides
 
 SCORED: list[list[str]] = []
 
@@ -62,7 +62,7 @@ def test_place_group_widens_the_batch():
 
 
 def make_trainer(tmp_path, **extra) -> GRPOTrainer:
-    cfg = load_config(None, micro_overrides(tmp_path, **{"grpo.reward_funcs": "[test_signal_if_even]", **extra}))
+    cfg = load_config(MICRO, micro_overrides(tmp_path, **{"grpo.reward_funcs": "[test_signal_if_even]", **extra}))
     data = load_task_data(cfg.data)
     policy = load_policy(cfg, data, log=lambda *_: None)
     trainer = GRPOTrainer(model=policy.model, processing_class=policy.tokenizer,

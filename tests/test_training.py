@@ -14,7 +14,7 @@ from grpo.data import load_task_data
 from grpo.plan import read_plan_indices
 from grpo.experiment import run_experiment
 from grpo.runs import RunDir, open_run_dir
-from tests.conftest import REPO, micro_overrides
+from tests.conftest import MICRO, REPO, micro_overrides
 
 
 def read_metrics(run: RunDir) -> list[dict]:
@@ -63,7 +63,7 @@ def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path
     overrides = micro_overrides(tmp_path, **{"grpo.max_steps": 40, "grpo.save_steps": 8, "grpo.logging_steps": 4,
                                              "evaluation.enabled": "false",
                                              "grpo.reward_funcs": "[exact_match_recorded]"})
-    cmd = [sys.executable, "-m", "grpo.cli", "run", "--run-name", "killed", "--reward-module",
+    cmd = [sys.executable, "-m", "grpo.cli", "run", "--config", str(MICRO), "--run-name", "killed", "--reward-module",
            str(tmp_path / "recorder.py")]
     for item in overrides:
         cmd += ["--set", item]
@@ -93,7 +93,7 @@ def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path
     assert after == list(range(resumed_from + 4, 41, 4))
 
     # one generation round per optimizer step here: the resumed process scored rounds resumed_from .. 39 of the plan
-    cfg = load_config(None, [o for o in overrides if not o.startswith("grpo.reward_funcs")])
+    cfg = load_config(MICRO, [o for o in overrides if not o.startswith("grpo.reward_funcs")])
     prompts = load_task_data(cfg.data)["train"]["prompt"]
     planned = list(read_plan_indices(run.path / "plan" / "plan.parquet", sp_group=0, start_round=resumed_from))
     scored = [p for line in (tmp_path / "resumed.jsonl").read_text().splitlines() for p in json.loads(line)]
