@@ -44,6 +44,12 @@ class DataConfig(_Section):
     )
     prompt_format: Literal["plain", "chat"] = Field("plain", description="'chat' wraps prompts as user messages.")
     system_prompt: str | None = Field(None, description="System message prepended in chat format.")
+    max_prompt_chars: int = Field(4096, ge=1, description="Prep: longer prompts (before chat wrapping) are quarantined.")
+    max_answer_chars: int = Field(512, ge=1, description="Prep: longer answers (after answer_regex) are quarantined.")
+    duplicates: Literal["drop", "keep", "error"] = Field(
+        "drop", description="Prep: repeated prompts: quarantine all but the first valid copy, allow, or fail."
+    )
+    min_rows: int = Field(1, ge=1, description="Prep: fewest valid rows each split must keep.")
     num_train: int = Field(5000, ge=1, description="Synthetic task: training problems.")
     num_eval: int = Field(500, ge=1, description="Synthetic task: held-out problems.")
     max_operand: int = Field(99, ge=1, le=9999, description="Synthetic task: operands are 0..max_operand.")

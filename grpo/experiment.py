@@ -12,13 +12,20 @@ from datasets import DatasetDict
 
 from grpo import distributed
 from grpo.config import ExperimentConfig
-from grpo.data import load_task_data
+from grpo.prep import PrepResult, load_prepared, prepare_dataset
 from grpo.evaluation import EvalResult, evaluate_policy
 from grpo.plan import build_plan, prompt_token_lengths
 from grpo.policy import Policy, load_policy
 from grpo.rewards import get_reward
 from grpo.runs import RunDir
 from grpo.train import train_grpo
+
+
+def prepare_data(cfg: ExperimentConfig, out_dir) -> PrepResult:
+    """Validate the data source into train/eval Parquet plus a quarantine of every rejected row (with its rule)."""
+    d = cfg.data
+    return prepare_dataset(d, out_dir, max_prompt_chars=d.max_prompt_chars, max_answer_chars=d.max_answer_chars,
+                           duplicates=d.duplicates, min_rows=d.min_rows)
 
 
 def evaluate(cfg: ExperimentConfig, policy: Policy, data: DatasetDict) -> EvalResult:
@@ -57,8 +64,14 @@ def run_experiment(
     if not main:
         log = lambda *_: None  # noqa: E731 - rank 0 speaks for the run
 
-    data = load_task_data(cfg.data)
-    log(f"data: {len(data['train'])} train / {len(data['eval'])} eval prompts from {cfg.data.source}")
+    data_dir = run.path / "data"
+    if main and not (resume and (data_dir / "stats.json").is_file()):
+        prep = prepare_data(cfg, data_dir)
+        s = prep.stats
+        log(f"data: {s['rows_valid']} valid / {s['rows_quarantined']} quarantined of {s['rows_in']} rows from "
+            f"{cfg.data.source} (content {prep.content_hash[:12]})")
+    distributed.barrier()
+    data = load_prepared(data_dir)
 
     if main:
         policy = load_policy(cfg, data, log=log)
@@ -96,6 +109,7 @@ def run_experiment(
         "run_name": run.path.name,
         "run_dir": str(run.path),
         "steps": result.steps,
+        "data_content_hash": (run.read_json("data/stats.json") or {}).get("content_hash"),
         "wall_seconds": round(time.perf_counter() - started, 2),
         "train_seconds": round(result.seconds, 2),
         "policy_source": policy.source,
