@@ -47,21 +47,32 @@ def run(
     resume: Annotated[bool, typer.Option("--resume", help="Continue an existing run from its last checkpoint.")] = False,
     reward_module: RewardModuleOpt = None,
 ) -> None:
-    """Prepare data, build the policy, train with GRPO and evaluate before/after."""
+    """Run the pipeline (prep → plan → train → eval) as a Prefect flow run tracked in MLflow.
+
+    Under ``torchrun`` / ``accelerate launch`` every rank runs the same stages in-process instead (rank 0 writes).
+    """
     try:
         cfg = _load(config, set_, reward_module)
         from grpo import distributed
-        from grpo.runs import default_run_name, open_run_dir
+        from grpo.runs import check_run_dir, default_run_name, open_run_dir
 
         if resume and not run_name:
             _fail("--resume needs --run-name NAME of the run to continue")
-        distributed.init_process_group()
-        name = distributed.decide_on_main(lambda: run_name or default_run_name(cfg))
-        run_dir = distributed.decide_on_main(lambda: open_run_dir(cfg, name, resume))
-        typer.echo(f"run: {run_dir.path}")
-        from grpo.experiment import run_experiment
+        if distributed.launched_world_size() > 1:
+            distributed.init_process_group()
+            name = distributed.decide_on_main(lambda: run_name or default_run_name(cfg))
+            run_dir = distributed.decide_on_main(lambda: open_run_dir(cfg, name, resume))
+            typer.echo(f"run: {run_dir.path}")
+            from grpo.experiment import run_experiment
 
-        summary = run_experiment(cfg, run_dir, resume=resume, log=typer.echo)
+            summary = run_experiment(cfg, run_dir, resume=resume, log=typer.echo)
+        else:
+            name = run_name or default_run_name(cfg)
+            run_dir = check_run_dir(cfg, name, resume)  # fail fast, before Prefect or MLflow start
+            typer.echo(f"run: {run_dir.path}")
+            from flows.pipeline import grpo_pipeline
+
+            summary = grpo_pipeline(config=cfg, run_name=name, resume=resume)
     except GRPOPlatformError as err:
         _fail(str(err))
     if summary is None:  # a non-main rank of a multi-process run: rank 0 reports
@@ -123,6 +134,7 @@ def rewards(reward_module: RewardModuleOpt = None) -> None:
 def main() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network here; don't try to phone home
     try:
         app()
     except KeyboardInterrupt:

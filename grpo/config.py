@@ -368,7 +368,6 @@ class ExperimentConfig(_Section):
             "async.off_policy_mask_threshold": a.off_policy_mask_threshold is not None,
             "async.use_bias_correction_kl": a.use_bias_correction_kl,
             "async.reward_num_workers": a.reward_num_workers > 1,
-            "tracking.backend": self.tracking.backend != "none",
         }
         on = [k for k, v in pending.items() if v]
         if on:

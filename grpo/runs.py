@@ -44,6 +44,10 @@ class RunDir:
     def model_dir(self) -> Path:
         return self.path / "model"
 
+    def inputs(self) -> dict:
+        """Where this run's prepared data and sampler plan live (written by the pipeline's plan stage)."""
+        return self.read_json("inputs.json") or {}
+
     def latest_checkpoint(self) -> Path | None:
         found = sorted(
             (p for p in self.checkpoints.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
@@ -75,20 +79,37 @@ def validate_run_name(name: str) -> str:
     return name
 
 
+def check_run_dir(cfg: ExperimentConfig, run_name: str, resume: bool) -> RunDir:
+    """Everything :func:`open_run_dir` checks, without creating anything (for failing fast before a pipeline)."""
+    validate_run_name(run_name)
+    run = RunDir(Path(cfg.output_dir) / run_name)
+    if resume:
+        _check_resumable(cfg, run)
+    elif run.path.exists():
+        raise RunDirectoryError(
+            f"run directory {run.path} already exists; pass --resume to continue it or choose another --run-name"
+        )
+    return run
+
+
+def _check_resumable(cfg: ExperimentConfig, run: RunDir) -> None:
+    if not run.config_file.is_file():
+        raise RunDirectoryError(f"--resume: no run to resume at {run.path} (no config.yaml there)")
+    saved = config_from_dict(yaml.safe_load(run.config_file.read_text()), str(run.config_file))
+    changed = _differences(saved, cfg)
+    if changed:
+        raise RunDirectoryError(
+            f"--resume: config differs from the one {run.path} started with ({', '.join(changed[:5])}); "
+            f"resume with the same config or start a new --run-name"
+        )
+
+
 def open_run_dir(cfg: ExperimentConfig, run_name: str, resume: bool) -> RunDir:
     """Create a fresh run directory, or reopen one for ``--resume`` after checking the config is unchanged."""
     validate_run_name(run_name)
     run = RunDir(Path(cfg.output_dir) / run_name)
     if resume:
-        if not run.config_file.is_file():
-            raise RunDirectoryError(f"--resume: no run to resume at {run.path} (no config.yaml there)")
-        saved = config_from_dict(yaml.safe_load(run.config_file.read_text()), str(run.config_file))
-        changed = _differences(saved, cfg)
-        if changed:
-            raise RunDirectoryError(
-                f"--resume: config differs from the one {run.path} started with ({', '.join(changed[:5])}); "
-                f"resume with the same config or start a new --run-name"
-            )
+        _check_resumable(cfg, run)
         return run
     if run.path.exists():
         raise RunDirectoryError(

@@ -70,6 +70,7 @@ class TrainResult:
 def train_grpo(
     cfg: ExperimentConfig, policy: Policy, train_dataset: Dataset, run: RunDir, resume: bool,
     plan_path: Path | None = None,
+    callbacks=(),
 ) -> TrainResult:
     from grpo.trainer import GRPOTrainer
 
@@ -84,7 +85,7 @@ def train_grpo(
         reward_funcs=[get_reward(name) for name in cfg.grpo.reward_funcs],
         args=args,
         train_dataset=train_dataset,
-        callbacks=[recorder],
+        callbacks=[recorder, *callbacks],
         experiment=cfg,
         plan_path=plan_path,
     )

@@ -10,7 +10,7 @@ import sys
 import time
 
 from grpo.config import load_config
-from grpo.data import load_task_data
+from grpo.prep import load_prepared
 from grpo.plan import read_plan_indices
 from grpo.experiment import run_experiment
 from grpo.runs import RunDir, open_run_dir
@@ -93,9 +93,9 @@ def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path
     assert after == list(range(resumed_from + 4, 41, 4))
 
     # one generation round per optimizer step here: the resumed process scored rounds resumed_from .. 39 of the plan
-    cfg = load_config(MICRO, [o for o in overrides if not o.startswith("grpo.reward_funcs")])
-    prompts = load_task_data(cfg.data)["train"]["prompt"]
-    planned = list(read_plan_indices(run.path / "plan" / "plan.parquet", sp_group=0, start_round=resumed_from))
+    inputs = run.inputs()
+    prompts = load_prepared(inputs["data_dir"])["train"]["prompt"]
+    planned = list(read_plan_indices(inputs["plan_path"], sp_group=0, start_round=resumed_from))
     scored = [p for line in (tmp_path / "resumed.jsonl").read_text().splitlines() for p in json.loads(line)]
     assert scored == [prompts[i] for i in planned]
     assert len(scored) == (40 - resumed_from) * 16

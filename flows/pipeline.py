@@ -1,0 +1,179 @@
+"""The pipeline flow: prep → plan → eval (before) → train → eval (after), one Prefect flow run and one MLflow run.
+
+The flow's parameter is the experiment config itself, so the Prefect UI renders it as a form. A retry of the flow
+run (or ``grpo run --resume``) continues the same run directory from its last checkpoint and logs into the same
+MLflow run.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
+from prefect.context import get_run_context
+
+import grpo.stages
+from flows.stages import PrefectProgress, eval_flow, plan_flow, prep_flow, summarize_for_ui
+from grpo.config import ExperimentConfig, flatten, load_config
+from grpo.experiment import write_summary
+from grpo.prep import load_prepared
+from grpo.runs import RunDir, open_run_dir
+from grpo.tracking import MlflowCallback, MlflowTracker, log_model, tracker_from_config
+from grpo.train import train_grpo
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+_TRACKERS: dict[str, MlflowTracker] = {}  # run dir -> tracker, shared by the subflows of one pipeline run
+
+
+def default_config() -> ExperimentConfig:
+    return load_config(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else ExperimentConfig()
+
+
+@flow(name="grpo-train")
+def train_flow(config: ExperimentConfig, run_dir: str, data_dir: str, plan_path: str, resume: bool = False) -> dict:
+    """GRPO training into ``run_dir``; resumes from the last checkpoint when one exists (no blind retries)."""
+    run = RunDir(Path(run_dir))
+    resume = resume or run.latest_checkpoint() is not None
+    policy = grpo.stages.policy_stage(config, Path(data_dir), log=get_run_logger().info)
+    callbacks = [PrefectProgress()]
+    tracker = _TRACKERS.get(str(run.path))
+    if tracker is not None:
+        callbacks.append(MlflowCallback(tracker))
+    result = train_grpo(config, policy, load_prepared(Path(data_dir))["train"], run, resume,
+                        plan_path=Path(plan_path), callbacks=callbacks)
+    return {"steps": result.steps, "seconds": result.seconds, "resumed_from": result.resumed_from,
+            "metric_names": result.metric_names, "reward_curve": result.reward_curve,
+            "model_dir": str(run.model_dir), "policy_source": policy.source}
+
+
+def _flow_run_info() -> tuple[str | None, str | None, int]:
+    try:
+        ctx = get_run_context()
+        fr = ctx.flow_run
+        return str(fr.id), fr.name, int(fr.run_count or 1)
+    except Exception:  # called outside a flow run
+        return None, None, 1
+
+
+def _ui_url(flow_run_id: str | None) -> str | None:
+    from prefect.settings import PREFECT_UI_URL
+
+    base = PREFECT_UI_URL.value()
+    return f"{base.rstrip('/')}/runs/flow-run/{flow_run_id}" if base and flow_run_id else None
+
+
+@flow(name="grpo-pipeline", log_prints=True)
+def grpo_pipeline(
+    config: ExperimentConfig = default_config(), run_name: str | None = None, resume: bool = False
+) -> dict:
+    """Prepare data, plan, evaluate, train with GRPO and evaluate again, tracked in MLflow."""
+    started = time.perf_counter()
+    logger = get_run_logger()
+    flow_run_id, flow_run_name, attempt = _flow_run_info()
+    name = run_name or f"{config.name}-{flow_run_name or time.strftime('%Y%m%d-%H%M%S')}"
+    run_path = Path(config.output_dir) / name
+    resume = resume or (attempt > 1 and run_path.exists())  # a retried flow run continues its run directory
+    run = open_run_dir(config, name, resume)
+    logger.info(f"run directory {run.path} (resume={resume})")
+
+    tracker = tracker_from_config(config, run.path)
+    mlflow_run_id = None
+    if tracker is not None:
+        tags = {"prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": flow_run_name,
+                "prefect.deployment": _deployment_name(), "prefect.ui_url": _ui_url(flow_run_id),
+                "grpo.run_dir": str(run.path)}
+        mlflow_run_id = tracker.start(name, config.tracking.experiment_name, tags={k: v for k, v in tags.items() if v},
+                                      params=flatten(config), run_id=MlflowTracker.saved_run_id(tracker.spool_dir))
+        _TRACKERS[str(run.path)] = tracker
+        create_link_artifact(key="mlflow-run", link=mlflow_run_url(tracker.tracking_uri, tracker.experiment_id,
+                                                                   mlflow_run_id),
+                             link_text=f"MLflow run {mlflow_run_id}", description="This run in MLflow")
+    try:
+        prep = prep_flow(config)
+        data_dir = prep["data_dir"]
+        _log(tracker, {"prep/rows_in": prep["rows_in"], "prep/rows_valid": prep["rows_valid"],
+                       "prep/rows_quarantined": prep["rows_quarantined"],
+                       **{f"prep/prompt_chars_{k}": v for k, v in (prep.get("prompt_chars") or {}).items()}})
+        plan = plan_flow(config, data_dir, prep["content_hash"])
+        run.write_json("inputs.json", {"data_dir": data_dir, "data_content_hash": prep["content_hash"],
+                                       "plan_path": plan["plan_path"]})
+        imbalance = (plan.get("predicted_imbalance") or {}).get("plan_order") or {}
+        _log(tracker, {"plan/generation_rounds": plan["generation_rounds"], "plan/epochs": plan["epochs"],
+                       **{f"plan/imbalance_{k}": v for k, v in imbalance.items() if isinstance(v, (int, float))}})
+
+        before = run.read_json("eval_before.json") if resume else None
+        if before is None and config.evaluation.enabled and config.evaluation.before_training:
+            before = eval_flow(config, "policy", data_dir, str(run.path / "eval_before.json"), "before")
+        if before is not None:
+            _log(tracker, _eval_metrics(before, "before"), step=0)
+
+        trained = train_flow(config, str(run.path), data_dir, plan["plan_path"], resume)
+
+        after = None
+        if config.evaluation.enabled:
+            after = eval_flow(config, trained["model_dir"], data_dir, str(run.path / "eval_after.json"), "after")
+            _log(tracker, _eval_metrics(after, "after"), step=trained["steps"])
+
+        result = _TrainResultView(trained)
+        summary = write_summary(config, run, result, before, after, trained["policy_source"],
+                                time.perf_counter() - started, mlflow_run_id=mlflow_run_id,
+                                prefect_flow_run_id=flow_run_id)
+        if tracker is not None:
+            _log_artifacts(tracker, config, run, data_dir, plan)
+        create_markdown_artifact(key="grpo-run-summary", markdown=summarize_for_ui(summary), description="GRPO run")
+        return summary
+    finally:
+        if tracker is not None:
+            _TRACKERS.pop(str(run.path), None)
+            tracker.close()
+
+
+def mlflow_run_url(tracking_uri: str, experiment_id: str | None, run_id: str) -> str:
+    """The run's page: on the tracking server, or on ``grpo ui``'s MLflow server for the local SQLite store."""
+    base = tracking_uri.rstrip("/") if tracking_uri.startswith("http") else "http://127.0.0.1:5000"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+class _TrainResultView:
+    def __init__(self, d: dict) -> None:
+        self.steps, self.seconds, self.resumed_from = d["steps"], d["seconds"], d["resumed_from"]
+        self.metric_names, self.reward_curve = d["metric_names"], d["reward_curve"]
+
+
+def _deployment_name() -> str | None:
+    try:
+        from prefect.runtime import deployment
+
+        return deployment.name
+    except Exception:
+        return None
+
+
+def _eval_metrics(record: dict, tag: str) -> dict[str, float]:
+    out = {f"eval/accuracy_{tag}": record["accuracy"]}
+    for key, value in record.items():
+        if key.startswith("pass@") and value is not None:
+            out[f"eval/{key.replace('@', '_at_')}_{tag}"] = value
+    return out
+
+
+def _log(tracker: MlflowTracker | None, metrics: dict, step: int = 0) -> None:
+    if tracker is not None:
+        tracker.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+
+def _log_artifacts(tracker: MlflowTracker, config: ExperimentConfig, run: RunDir, data_dir: str, plan: dict) -> None:
+    tracker.log_artifact(run.config_file)
+    tracker.log_artifact(Path(data_dir) / "stats.json", "data")
+    tracker.log_artifact(Path(data_dir) / "quarantine.jsonl", "data")
+    tracker.log_artifact(Path(plan["plan_path"]).with_name("plan.json"), "plan")
+    for tag in ("before", "after"):
+        record = run.read_json(f"eval_{tag}.json")
+        if record:
+            tracker.log_table({k: [s[k] for s in record["samples"]] for k in record["samples"][0]},
+                              f"eval/samples_{tag}.json")
+    tracker.log_artifact(run.summary_file)
+    if config.tracking.log_model:
+        log_model(tracker, run.model_dir, run.model_dir)

@@ -1,0 +1,180 @@
+"""One Prefect flow per pipeline stage, each a short recipe over :mod:`grpo.stages`.
+
+Prep and plan are cached across runs on their inputs and the code that computes them (a changed training field
+reuses them); prep and eval retry on transient failure; training never retries blindly: a new attempt resumes
+from the last checkpoint. Every stage leaves artifacts in Prefect: a markdown summary, tables, training progress.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, task
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from transformers import TrainerCallback
+
+import grpo.plan
+import grpo.prep
+import grpo.stages
+import grpo.tasks
+from grpo.config import ExperimentConfig
+from grpo.policy import cache_root
+from grpo.runs import RunDir
+
+
+def _code_hash(*modules) -> str:
+    return hashlib.sha256("".join(inspect.getsource(m) for m in modules).encode()).hexdigest()[:16]
+
+
+def _key(kind: str, payload: dict, modules: tuple) -> str:
+    blob = json.dumps(payload, sort_keys=True, default=str) + _code_hash(*modules)
+    return f"{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:20]}"
+
+
+def _cached_dir_key(kind: str, modules: tuple):
+    """Cache key = inputs + source code; it changes when the output directory is gone, so a deleted cache rebuilds."""
+
+    def key_fn(context, parameters) -> str:
+        out_dir = Path(parameters["out_dir"])
+        present = (out_dir / ("stats.json" if kind == "prep" else "plan.json")).is_file()
+        payload = {k: v for k, v in parameters.items()}
+        return _key(kind, json.loads(json.dumps(payload, default=str)), modules) + ("" if present else "-missing")
+
+    return key_fn
+
+
+PREP_CODE = (grpo.prep, grpo.tasks, grpo.stages)
+PLAN_CODE = (grpo.plan, grpo.stages)
+
+
+def prep_dir_for(cfg: ExperimentConfig) -> Path:
+    """Content-addressed location of prepared data: the same data config and code always land in one place."""
+    return cache_root() / "prepared" / _key("prep", cfg.data.model_dump(mode="json"), PREP_CODE)
+
+
+def plan_dir_for(cfg: ExperimentConfig, data_hash: str) -> Path:
+    payload = {"data": data_hash, "sampling": cfg.sampling.model_dump(mode="json"),
+               "grpo": {k: v for k, v in cfg.grpo.model_dump(mode="json").items()
+                        if k in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
+                                 "generation_batch_size", "steps_per_generation", "num_iterations", "max_steps",
+                                 "seed")},
+               "tokenizer": cfg.model.name_or_path}
+    return cache_root() / "plans" / _key("plan", payload, PLAN_CODE)
+
+
+@task(name="prepare-dataset", cache_key_fn=_cached_dir_key("prep", PREP_CODE), persist_result=True)
+def prepare_task(data_config: dict, out_dir: str, config: ExperimentConfig) -> dict:
+    stats = Path(out_dir) / "stats.json"
+    if stats.is_file():  # content-addressed: same data config and code, same output (also without Prefect's cache)
+        return {**json.loads(stats.read_text()), "data_dir": out_dir}
+    return grpo.stages.prep_stage(config, Path(out_dir))
+
+
+@flow(name="grpo-prep", retries=2, retry_delay_seconds=5)
+def prep_flow(config: ExperimentConfig) -> dict:
+    """Validate and prepare the dataset (cached on the data config and prep code)."""
+    out_dir = prep_dir_for(config)
+    stats = prepare_task(config.data.model_dump(mode="json"), str(out_dir), config)
+    create_markdown_artifact(
+        key="dataset-prep",
+        markdown=(f"## Dataset prep\n\nSource `{config.data.source}` → `{out_dir}`\n\n"
+                  f"- rows in: **{stats['rows_in']}**, valid: **{stats['rows_valid']}**, "
+                  f"quarantined: **{stats['rows_quarantined']}**\n- content hash: `{stats['content_hash']}`\n"),
+        description="Dataset prep summary",
+    )
+    create_table_artifact(
+        key="dataset-stats",
+        table=[{"split": s, **v} for s, v in stats["splits"].items()]
+        + [{"split": f"rule: {r}", "rows_quarantined": n} for r, n in stats.get("rules", {}).items()],
+        description="Rows per split and quarantine rules",
+    )
+    return stats
+
+
+@task(name="write-plan", cache_key_fn=_cached_dir_key("plan", PLAN_CODE), persist_result=True)
+def plan_task(plan_key: str, data_dir: str, out_dir: str, config: ExperimentConfig) -> dict:
+    summary = Path(out_dir) / "plan.json"
+    if summary.is_file():  # content-addressed, as for prep
+        return {**json.loads(summary.read_text()), "plan_path": str(Path(out_dir) / "plan.parquet")}
+    tokenizer = None
+    if not config.model.is_tiny:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.model.name_or_path)
+    return grpo.stages.plan_stage(config, Path(data_dir), Path(out_dir), tokenizer)
+
+
+@flow(name="grpo-plan")
+def plan_flow(config: ExperimentConfig, data_dir: str, data_hash: str) -> dict:
+    """Write the sampler plan (cached on data, sampling/batch fields and plan code)."""
+    out_dir = plan_dir_for(config, data_hash)
+    plan = plan_task(out_dir.name, data_dir, str(out_dir), config)
+    imbalance = plan.get("predicted_imbalance", {})
+    create_table_artifact(
+        key="plan-balance",
+        table=[{"order": k, **{kk: vv for kk, vv in v.items() if not isinstance(vv, (dict, list))}}
+               for k, v in imbalance.items() if isinstance(v, dict)] or [{"order": "n/a"}],
+        description="Predicted per-rank token imbalance (max/mean)",
+    )
+    create_markdown_artifact(
+        key="sampler-plan",
+        markdown=(f"## Sampler plan\n\n`{plan['plan_path']}`\n\n- optimizer steps: {plan['optimizer_steps']}\n"
+                  f"- generation rounds: {plan['generation_rounds']} × {plan['prompts_per_round']} prompts\n"
+                  f"- epochs: {plan['epochs']}\n"),
+        description="Sampler plan summary",
+    )
+    return plan
+
+
+class PrefectProgress(TrainerCallback):
+    """Keeps a Prefect progress artifact at the fraction of optimizer steps done."""
+
+    def __init__(self) -> None:
+        self.artifact_id = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.artifact_id = create_progress_artifact(progress=0.0, key="training-progress",
+                                                        description="GRPO optimizer steps done (%)")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.artifact_id is not None and state.max_steps:
+            update_progress_artifact(self.artifact_id, progress=100.0 * state.global_step / state.max_steps)
+
+
+@flow(name="grpo-eval", retries=2, retry_delay_seconds=5)
+def eval_flow(config: ExperimentConfig, model_source: str, data_dir: str, out_file: str, tag: str) -> dict:
+    """Greedy accuracy and pass@k of a model on the held-out split."""
+    policy = (grpo.stages.trained_policy(Path(model_source)) if Path(model_source, "config.json").is_file()
+              and tag != "before" else grpo.stages.policy_stage(config, Path(data_dir), log=lambda *_: None))
+    record = grpo.stages.eval_stage(config, policy, Path(data_dir), Path(out_file))
+    k = config.evaluation.pass_k
+    create_table_artifact(key=f"eval-samples-{tag}", table=record["samples"],
+                          description=f"Sample completions ({tag} training)")
+    create_markdown_artifact(
+        key=f"eval-{tag}",
+        markdown=f"## Evaluation ({tag} training)\n\n- accuracy: **{record['accuracy']:.3f}**\n"
+                 + (f"- pass@{k}: **{record[f'pass@{k}']:.3f}**\n" if record.get(f"pass@{k}") is not None else ""),
+    )
+    return record
+
+
+def summarize_for_ui(summary: dict[str, Any]) -> str:
+    lines = ["## GRPO run", ""]
+    for key in ("run_name", "steps", "eval_accuracy_before", "eval_accuracy_after", "wall_seconds",
+                "mlflow_run_id", "prefect_flow_run_id"):
+        if summary.get(key) is not None:
+            lines.append(f"- {key}: `{summary[key]}`")
+    return "\n".join(lines)
+
+
+__all__ = ["prep_flow", "plan_flow", "eval_flow", "PrefectProgress", "RunDir", "summarize_for_ui"]

@@ -1,0 +1,109 @@
+"""Real servers for tests: an MLflow tracking server as a subprocess on 127.0.0.1, and the session fixture sharing it.
+
+Use in a test module with ``from tests.servers import mlflow_server  # noqa: F401`` (or move the fixture into
+``conftest.py``). The server is killed at the end of the session; tests may kill and restart it (same port, same
+store) to simulate an outage.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """``mlflow server`` with a SQLite backend store and proxied artifacts (``--artifacts-destination``)."""
+
+    def __init__(self, root: Path, port: int | None = None) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.root / "server.log"
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 90.0) -> MlflowServer:
+        cmd = [
+            sys.executable, "-m", "mlflow", "server",
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--workers", "1",
+            "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+            "--artifacts-destination", str(self.root / "artifacts"),
+        ]
+        env = dict(os.environ)
+        env.pop("MLFLOW_TRACKING_URI", None)
+        env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # no job-runner process: starts several seconds faster
+        log = self.log_path.open("ab")
+        # Own process group: stop() ends the CLI and the uvicorn worker it spawns, nothing else.
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.uri}/health", timeout=1).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"mlflow server did not become healthy in {timeout}s:\n{self.log_tail()}")
+
+    def stop(self, kill: bool = False) -> None:
+        """SIGKILL (an outage) or SIGTERM (a clean stop) to the server's process group; waits until the port is free."""
+        if self.proc is None:
+            return
+        sig = signal.SIGKILL if kill else signal.SIGTERM
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=5)
+        # uvicorn may outlive the CLI for a moment after SIGTERM; wait until nothing answers on the port.
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                requests.get(f"{self.uri}/health", timeout=0.5)
+            except requests.RequestException:
+                break
+            time.sleep(0.1)
+        self.proc = None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return ""
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One MLflow server for the whole session (startup takes seconds); yields the running :class:`MlflowServer`."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server")).start()
+    try:
+        yield server
+    finally:
+        server.stop(kill=True)
