@@ -41,15 +41,17 @@ def _key(kind: str, payload: dict, modules: tuple) -> str:
 
 
 def _cached_dir_key(kind: str, modules: tuple):
-    """Cache key = inputs + source code; it changes when the output directory is gone, so a deleted cache rebuilds."""
+    """Cache key = the stage's own inputs (not the whole config) + the source code that computes it."""
 
     def key_fn(context, parameters) -> str:
-        out_dir = Path(parameters["out_dir"])
-        present = (out_dir / ("stats.json" if kind == "prep" else "plan.json")).is_file()
-        payload = {k: v for k, v in parameters.items()}
-        return _key(kind, json.loads(json.dumps(payload, default=str)), modules) + ("" if present else "-missing")
+        payload = {k: v for k, v in parameters.items() if k != "config"}
+        return _key(kind, json.loads(json.dumps(payload, default=str)), modules)
 
     return key_fn
+
+
+def _complete(out_dir: Path, marker: str) -> bool:
+    return (out_dir / marker).is_file()
 
 
 PREP_CODE = (grpo.prep, grpo.tasks, grpo.stages)
@@ -83,7 +85,9 @@ def prepare_task(data_config: dict, out_dir: str, config: ExperimentConfig) -> d
 def prep_flow(config: ExperimentConfig) -> dict:
     """Validate and prepare the dataset (cached on the data config and prep code)."""
     out_dir = prep_dir_for(config)
-    stats = prepare_task(config.data.model_dump(mode="json"), str(out_dir), config)
+    # a cached result points at a directory; if that was deleted, recompute instead of returning a dangling path
+    task_ = prepare_task.with_options(refresh_cache=not _complete(out_dir, "stats.json"))
+    stats = task_(config.data.model_dump(mode="json"), str(out_dir), config)
     create_markdown_artifact(
         key="dataset-prep",
         markdown=(f"## Dataset prep\n\nSource `{config.data.source}` → `{out_dir}`\n\n"
@@ -117,7 +121,8 @@ def plan_task(plan_key: str, data_dir: str, out_dir: str, config: ExperimentConf
 def plan_flow(config: ExperimentConfig, data_dir: str, data_hash: str) -> dict:
     """Write the sampler plan (cached on data, sampling/batch fields and plan code)."""
     out_dir = plan_dir_for(config, data_hash)
-    plan = plan_task(out_dir.name, data_dir, str(out_dir), config)
+    task_ = plan_task.with_options(refresh_cache=not _complete(out_dir, "plan.json"))
+    plan = task_(out_dir.name, data_dir, str(out_dir), config)
     imbalance = plan.get("predicted_imbalance", {})
     create_table_artifact(
         key="plan-balance",

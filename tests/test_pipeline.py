@@ -1,0 +1,188 @@
+"""The Prefect pipeline against a real Prefect server (prefect_test_harness) and a real `mlflow server` process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from grpo.config import load_config
+from grpo.runs import RunDir
+from tests.conftest import MICRO, micro_overrides
+from tests.servers import MlflowServer, mlflow_server  # noqa: F401 - session fixture
+
+pytestmark = pytest.mark.slow
+
+TRAIN_METRICS = {"reward", "reward_std", "frac_reward_zero_std", "entropy", "clip_ratio/low_mean",
+                 "clip_ratio/high_mean", "completions/mean_length", "step_time", "num_tokens", "learning_rate",
+                 "grad_norm", "rewards/exact_match/mean", "rewards/exact_match/std"}
+STAGE_METRICS = {"prep/rows_in", "prep/rows_valid", "prep/rows_quarantined", "plan/generation_rounds",
+                 "eval/accuracy_before", "eval/accuracy_after"}
+
+
+@pytest.fixture(scope="module")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def pipeline_config(tmp_path, uri, **extra):
+    return load_config(MICRO, micro_overrides(tmp_path, **{
+        "tracking.backend": "mlflow", "tracking.tracking_uri": uri, "tracking.experiment_name": "pipeline-tests",
+        "grpo.max_steps": 8, "grpo.logging_steps": 2, "grpo.save_steps": 4, **extra}))
+
+
+def prefect_api(path: str, body: dict) -> list[dict]:
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    response = httpx.post(f"{PREFECT_API_URL.value().rstrip('/')}/{path}", json=body, timeout=30)
+    response.raise_for_status()
+    return response.json()
+
+
+def flow_runs_by_name(parent_id: str) -> dict[str, list]:
+    from prefect.client.orchestration import get_client
+
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(limit=200, sort=FlowRunSort.EXPECTED_START_TIME_ASC)
+        names = {}
+        for run in runs:
+            names.setdefault(client.read_flow(run.flow_id).name, []).append(run)
+    return names
+
+
+def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefect_server, mlflow_server):  # noqa: F811
+    from flows.pipeline import grpo_pipeline
+
+    cfg = pipeline_config(tmp_path, mlflow_server.uri)
+    summary = grpo_pipeline(config=cfg, run_name="full")
+    assert summary["steps"] == 8 and summary["mlflow_run_id"] and summary["prefect_flow_run_id"]
+
+    # Prefect: the pipeline and its four stage subflows completed; artifacts are there.
+    runs = flow_runs_by_name(summary["prefect_flow_run_id"])
+    for name in ("grpo-pipeline", "grpo-prep", "grpo-plan", "grpo-train", "grpo-eval"):
+        assert name in runs and all(r.state.is_completed() for r in runs[name]), name
+    assert len(runs["grpo-eval"]) == 2  # before and after training
+    keys = {a["key"] for a in prefect_api("artifacts/filter", {"sort": "KEY_ASC", "limit": 200, "offset": 0})}
+    assert {"dataset-prep", "dataset-stats", "sampler-plan", "plan-balance", "training-progress", "eval-before",
+            "eval-after", "eval-samples-after", "mlflow-run", "grpo-run-summary"} <= keys
+
+    # MLflow: params = the flattened config, every stage's metrics with steps, artifacts, the model, the tags.
+    client = MlflowClient(mlflow_server.uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.data.params["grpo.learning_rate"] == str(cfg.grpo.learning_rate)
+    assert run.data.params["model.tiny.hidden_size"] == "64"
+    assert run.data.tags["prefect.flow_run_id"] == summary["prefect_flow_run_id"]
+    missing = (TRAIN_METRICS | STAGE_METRICS) - set(run.data.metrics)
+    assert not missing, missing
+    history = [m.step for m in client.get_metric_history(run.info.run_id, "reward")]
+    assert history == [2, 4, 6, 8]
+    assert any(k.startswith("system/") for k in run.data.metrics)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    artifacts |= {a.path for d in ("data", "plan", "eval") for a in client.list_artifacts(run.info.run_id, d)}
+    assert {"config.yaml", "summary.json", "data/stats.json", "data/quarantine.jsonl", "plan/plan.json",
+            "eval/samples_after.json"} <= artifacts, artifacts
+    models = client.search_logged_models(experiment_ids=[run.info.experiment_id])
+    assert any(m.source_run_id == run.info.run_id for m in models)
+    assert run.info.status == "FINISHED"
+
+
+def test_prep_and_plan_are_cached_across_runs(tmp_path, prefect_server, mlflow_server):  # noqa: F811
+    from flows.pipeline import grpo_pipeline
+
+    first = grpo_pipeline(config=pipeline_config(tmp_path, mlflow_server.uri), run_name="cache-a")
+    second = grpo_pipeline(config=pipeline_config(tmp_path, mlflow_server.uri, **{"grpo.learning_rate": 3e-4}),
+                           run_name="cache-b")
+    a, b = RunDir(tmp_path / "cache-a").inputs(), RunDir(tmp_path / "cache-b").inputs()
+    assert a["data_dir"] == b["data_dir"] and a["plan_path"] == b["plan_path"]  # only a training field changed
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    with get_client(sync_client=True) as client:
+        tasks = client.read_task_runs(limit=200, sort=TaskRunSort.EXPECTED_START_TIME_ASC)
+    by_name = {}
+    for t in tasks:
+        by_name.setdefault(t.name.rsplit("-", 1)[0], []).append(t.state.name)
+    assert "Cached" in by_name["prepare-dataset"] and "Cached" in by_name["write-plan"]
+    assert first["mlflow_run_id"] != second["mlflow_run_id"]
+
+
+def run_cli(args: list[str], cwd: Path, env: dict, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "grpo.cli", "run", "--config", str(MICRO), *args], cwd=cwd,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def cli_overrides(tmp_path, uri, **extra) -> list[str]:
+    out = []
+    for item in micro_overrides(tmp_path, **{"tracking.backend": "mlflow", "tracking.tracking_uri": uri,
+                                             "tracking.experiment_name": "pipeline-cli", "evaluation.enabled": "false",
+                                             **extra}):
+        out += ["--set", item]
+    return out
+
+
+def wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process ended early:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.2)
+    raise AssertionError("timed out")
+
+
+def test_killed_training_resumes_into_the_same_mlflow_run(tmp_path, mlflow_server):  # noqa: F811
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    args = ["--run-name", "killed", *cli_overrides(tmp_path, mlflow_server.uri, **{
+        "grpo.max_steps": 40, "grpo.save_steps": 8, "grpo.logging_steps": 2})]
+    run = RunDir(tmp_path / "killed")
+    proc = run_cli(args, tmp_path, env, start_new_session=True)
+    wait_for(lambda: (run.checkpoints / "checkpoint-16" / "trainer_state.json").is_file(), 400, proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # the CLI and its temporary Prefect server
+    proc.wait()
+    first_run_id = json.loads((run.path / "tracking_spool" / "state.json").read_text())["run_id"]
+
+    resumed = run_cli([*args, "--resume"], tmp_path, env)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out[-3000:]
+    summary = json.loads(run.summary_file.read_text())
+    assert summary["mlflow_run_id"] == first_run_id and summary["steps"] == 40
+    steps = [m.step for m in MlflowClient(mlflow_server.uri).get_metric_history(first_run_id, "reward")]
+    assert steps == list(range(2, 41, 2))  # continuous: nothing missing, nothing twice
+
+
+def test_mlflow_outage_mid_run_loses_no_metric(tmp_path):
+    server = MlflowServer(tmp_path / "mlflow").start()
+    try:
+        env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        args = ["--run-name", "outage", *cli_overrides(tmp_path, server.uri, **{
+            "grpo.max_steps": 60, "grpo.save_steps": 1000, "grpo.logging_steps": 1})]
+        run = RunDir(tmp_path / "outage")
+        proc = run_cli(args, tmp_path, env)
+        wait_for(lambda: run.metrics_file.is_file() and len(run.metrics_file.read_text().splitlines()) >= 3, 400, proc)
+        server.stop(kill=True)
+        time.sleep(6)  # training goes on; its metrics wait in the spool
+        assert proc.poll() is None or proc.returncode == 0
+        server.start()
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:]
+        summary = json.loads(run.summary_file.read_text())
+        logged = [json.loads(line) for line in run.metrics_file.read_text().splitlines()]
+        expected = [row["step"] for row in logged if "reward" in row["metrics"]]
+        got = [m.step for m in MlflowClient(server.uri).get_metric_history(summary["mlflow_run_id"], "reward")]
+        assert got == expected and len(expected) == 60
+    finally:
+        server.stop(kill=True)
