@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_NAME ?= tiny-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: demo test install clean-cache
+.PHONY: demo test install clean-cache ui
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,3 +25,6 @@ test: $(STAMP)
 
 clean-cache:
 	rm -rf .cache/grpo
+
+ui: $(STAMP)
+	$(BIN)/grpo ui

@@ -131,6 +131,33 @@ def rewards(reward_module: RewardModuleOpt = None) -> None:
         typer.echo(f"{name:20s} {doc[0] if doc else ''}")
 
 
+@app.command()
+def ui(
+    prefect_port: Annotated[int, typer.Option(help="Prefect UI/API port.")] = 4200,
+    mlflow_port: Annotated[int, typer.Option(help="MLflow UI/API port.")] = 5000,
+) -> None:
+    """Start the Prefect and MLflow servers on 127.0.0.1 over the local stores; Ctrl-C stops both."""
+    from grpo.ui import start_servers, stop_servers
+
+    try:
+        procs = start_servers(Path.cwd(), prefect_port, mlflow_port)
+    except RuntimeError as err:
+        _fail(str(err))
+    typer.echo(f"Prefect UI: http://127.0.0.1:{prefect_port}    MLflow UI: http://127.0.0.1:{mlflow_port}")
+    typer.echo("To send new runs to these servers, in another shell:")
+    typer.echo(f"  export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api "
+               f"MLFLOW_TRACKING_URI=http://127.0.0.1:{mlflow_port}")
+    try:
+        while all(p.poll() is None for p in procs):
+            import time
+
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_servers(procs)
+
+
 def main() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

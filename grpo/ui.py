@@ -1,0 +1,71 @@
+"""``grpo ui``: a Prefect server and an MLflow server on 127.0.0.1 over the same local stores the runs use.
+
+Runs made before (ephemeral Prefect API, local SQLite MLflow store) show up, because both servers read the same
+databases: Prefect's in ``$PREFECT_HOME`` and MLflow's ``mlflow.db`` in the project folder.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from grpo.tracking import resolve_tracking_uri
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: server exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}: not healthy after {timeout:.0f}s")
+
+
+def start_servers(project_dir: Path, prefect_port: int, mlflow_port: int) -> list[subprocess.Popen]:
+    """Start both servers bound to 127.0.0.1 and wait until they answer; returns the processes."""
+    bin_dir = Path(sys.executable).parent
+    uri = resolve_tracking_uri(None, project_dir)
+    if not uri.startswith("sqlite:///"):
+        uri = f"sqlite:///{project_dir.resolve() / 'mlflow.db'}"
+    artifacts = Path(uri[len("sqlite:///"):]).parent / "mlartifacts"
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    prefect = subprocess.Popen(
+        [str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
+        env=env, start_new_session=True,
+    )
+    mlflow = subprocess.Popen(
+        [str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1",
+         "--backend-store-uri", uri, "--default-artifact-root", str(artifacts)],
+        env=env, start_new_session=True,
+    )
+    procs = [prefect, mlflow]
+    try:
+        _wait_healthy(f"http://127.0.0.1:{prefect_port}/api/health", prefect, 120)
+        _wait_healthy(f"http://127.0.0.1:{mlflow_port}/health", mlflow, 120)
+    except RuntimeError:
+        stop_servers(procs)
+        raise
+    return procs
+
+
+def stop_servers(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
