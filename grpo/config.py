@@ -367,7 +367,6 @@ class ExperimentConfig(_Section):
             "async.vllm_importance_sampling_correction": a.vllm_importance_sampling_correction,
             "async.off_policy_mask_threshold": a.off_policy_mask_threshold is not None,
             "async.use_bias_correction_kl": a.use_bias_correction_kl,
-            "async.reward_num_workers": a.reward_num_workers > 1,
         }
         on = [k for k, v in pending.items() if v]
         if on:

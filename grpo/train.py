@@ -91,7 +91,10 @@ def train_grpo(
     )
     checkpoint = run.latest_checkpoint() if resume else None
     start = time.perf_counter()
-    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    try:
+        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    finally:
+        trainer.close_reward_pool()
     seconds = time.perf_counter() - start
     trainer.save_model(str(run.model_dir))
     policy.tokenizer.save_pretrained(run.model_dir)

@@ -49,6 +49,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._replay = ReplayBuffer(a.replay_buffer_size, seed=self.args.seed) if a and a.replay_buffer_size else None
         self._reroll = RerollBuffer(a.reroll_buffer_size) if a and a.reroll_start_fraction < 1.0 else None
         self._last_rewards_per_func: torch.Tensor | None = None
+        self._reward_pool = None
+        if a is not None and a.reward_num_workers > 1:
+            from grpo.reward_pool import RewardWorkerPool
+
+            # Functions are pickled (by reference) and sent once now; an unpicklable one fails here, not mid-run.
+            self._reward_pool = RewardWorkerPool(self.reward_funcs, a.reward_num_workers, timeout=a.reward_timeout)
         if experiment is not None:
             check_launch_matches_config(experiment, self.accelerator.num_processes)
 
@@ -146,9 +152,31 @@ class GRPOTrainer(trl.GRPOTrainer):
     # ---- rewards of the last batch (TRL keeps them local to _generate_and_score_completions)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self._reward_pool is not None and self.model.training:
+            rewards_per_func = self._pool_rewards(inputs, prompts, completions, completion_ids_list)
+        else:
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._last_rewards_per_func = rewards_per_func
         return rewards_per_func
+
+    def _pool_rewards(self, inputs, prompts, completions, completion_ids_list) -> torch.Tensor:
+        """``async.reward_num_workers`` persistent processes score the batch, whole groups per worker. A reward that
+        raises, hangs past ``reward_timeout`` or crashes its worker gives NaN for those samples (their advantage is
+        zeroed like TRL's unscorable rows) and the worker is replaced; the batch never waits forever."""
+        from accelerate.utils import gather
+
+        columns = {k: [row[k] for row in inputs] for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")}
+        rows = self._reward_pool.compute(prompts, completions, completion_ids_list, columns,
+                                         group_size=self.num_generations)
+        local = torch.tensor(rows, dtype=torch.float32, device=self.accelerator.device)
+        for name, value in self._reward_pool.metrics.items():
+            self._metrics["train"][name].append(float(value))
+        return gather(local)
+
+    def close_reward_pool(self) -> None:
+        if self._reward_pool is not None:
+            self._reward_pool.close()
+            self._reward_pool = None
 
     def _local_rewards(self, n: int) -> torch.Tensor:
         """This rank's weighted total reward per completion (NaN where every reward function abstained)."""

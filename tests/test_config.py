@@ -98,7 +98,6 @@ def test_invalid_values_are_rejected_with_field_and_valid_values(overrides, frag
     [
         ("async.async_prefetch=true", "async.async_prefetch"),
         ("async.use_data_producer=true", "async.use_data_producer"),
-        ("async.reward_num_workers=2", "async.reward_num_workers"),
         ("async.vllm_importance_sampling_correction=true", "async.vllm_importance_sampling_correction"),
     ],
 )
