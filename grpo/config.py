@@ -361,8 +361,6 @@ class ExperimentConfig(_Section):
         """Fields whose feature is not in this version yet: accepted at their defaults, refused when switched on."""
         a = self.async_
         pending = {
-            "async.use_data_producer": a.use_data_producer,
-            "async.async_prefetch": a.async_prefetch,
             "async.streaming_partial_batch": a.streaming_partial_batch,
             "async.vllm_importance_sampling_correction": a.vllm_importance_sampling_correction,
             "async.off_policy_mask_threshold": a.off_policy_mask_threshold is not None,

@@ -95,6 +95,7 @@ def train_grpo(
         trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     finally:
         trainer.close_reward_pool()
+        trainer.close_producer()
     seconds = time.perf_counter() - start
     trainer.save_model(str(run.model_dir))
     policy.tokenizer.save_pretrained(run.model_dir)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import trl
+from transformers import TrainerCallback
 from torch.utils.data import Sampler
 from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
@@ -55,6 +56,13 @@ class GRPOTrainer(trl.GRPOTrainer):
 
             # Functions are pickled (by reference) and sent once now; an unpicklable one fails here, not mid-run.
             self._reward_pool = RewardWorkerPool(self.reward_funcs, a.reward_num_workers, timeout=a.reward_timeout)
+        self._producer = None  # started on the first training generation round (see _async_rollouts)
+        self._async = bool(a and (a.use_data_producer or a.async_prefetch))
+        self._round_prompts: list[list[int]] | None = None
+        self._submitted: set[int] = set()
+        self._last_round_end: float | None = None
+        if self._async:
+            self.add_callback(_WeightSync(self))
         if experiment is not None:
             check_launch_matches_config(experiment, self.accelerator.num_processes)
 
@@ -148,6 +156,103 @@ class GRPOTrainer(trl.GRPOTrainer):
             for name, value in metrics.items():
                 self._metrics["train"][name].append(value)
         return batch
+
+    # ---- async rollouts (async.use_data_producer / async.async_prefetch)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if not (self._async and self.model.training) or images is not None:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+        return self._async_rollouts(prompt_ids)
+
+    @property
+    def _micro_steps_per_round(self) -> int:
+        return self.args.steps_per_generation * self.num_iterations
+
+    def _current_round(self) -> int:
+        ga = self.args.gradient_accumulation_steps
+        return (self.state.global_step * ga + self._step % ga) // self._micro_steps_per_round
+
+    def _future_round_prompt_ids(self, round_id: int) -> list[list[int]] | None:
+        """Prompt token ids of a future round, read from a fresh copy of the (deterministic) train sampler."""
+        if self._round_prompts is None:
+            import itertools
+
+            sampler = self.build_train_sampler(self.train_dataset)
+            rows = self.args.per_device_train_batch_size * self.args.steps_per_generation
+            block = rows * self._micro_steps_per_round
+            self._round_iter = (list(itertools.islice(it, rows)) for it in iter(
+                lambda s=iter(sampler): list(itertools.islice(s, block)), []))
+            self._round_prompts = []
+        while len(self._round_prompts) <= round_id:
+            try:
+                idx = next(self._round_iter)
+            except StopIteration:
+                return None
+            prompts = [self.train_dataset[i]["prompt"] for i in idx]
+            self._round_prompts.append(self._tokenize_prompts(prompts)[0])
+        return self._round_prompts[round_id]
+
+    def _async_rollouts(self, prompt_ids: list[list[int]]):
+        import time as _time
+
+        from grpo.async_producer import AsyncRolloutProducer, producer_threads
+
+        a = self.experiment.async_
+        if self._producer is None:
+            init_dir = Path(self.args.output_dir) / "generator-init"
+            self.accelerator.unwrap_model(self.model).save_pretrained(init_dir)
+            gc = self.generation_config
+            gen = {"max_new_tokens": self.max_completion_length, "temperature": gc.temperature, "top_p": gc.top_p,
+                   "top_k": gc.top_k, "pad_token_id": self._tokenizer.pad_token_id,
+                   "eos_token_ids": list(self.eos_token_ids)}
+            self._producer = AsyncRolloutProducer(str(init_dir), gen, seed=self.args.seed + self.accelerator.process_index,
+                                                  threads=producer_threads())
+            self._producer.version = self.state.global_step
+        producer = self._producer
+        round_id = self._current_round()
+        now = _time.perf_counter()
+        train_s = now - self._last_round_end if self._last_round_end is not None else 0.0
+
+        rollout, dropped = None, 0
+        if round_id in self._submitted:
+            candidate = producer.get(round_id)
+            self._submitted.discard(round_id)
+            if candidate.prompt_ids != [list(p) for p in prompt_ids]:
+                candidate = None  # the round's rows changed after submission (re-roll injection): generate them now
+            elif self.state.global_step - candidate.version > a.max_staleness:
+                dropped = 1  # too old: never trained on, generated again below with current weights
+                candidate = None
+            rollout = candidate
+        if rollout is None:
+            producer.push_weights(self.state.global_step, self.accelerator.unwrap_model(self.model).state_dict())
+            producer.submit(-1 - round_id, [list(p) for p in prompt_ids])
+            rollout = producer.get(-1 - round_id)
+        waited = _time.perf_counter() - now
+
+        depth = a.prefetch_depth if a.async_prefetch else 0
+        for future in range(round_id + 1, round_id + 1 + depth):
+            if future not in self._submitted:
+                ids = self._future_round_prompt_ids(future)
+                if ids is not None:
+                    producer.submit(future, [list(p) for p in ids])
+                    self._submitted.add(future)
+
+        staleness = float(self.state.global_step - rollout.version)
+        m = self._metrics["train"]
+        m["async/staleness_mean"].append(staleness)
+        m["async/staleness_max"].append(staleness)
+        m["async/dropped_stale"].append(float(dropped))
+        m["async/queue_wait_s"].append(waited)
+        m["async/generate_s"].append(rollout.generate_seconds)
+        m["async/train_s"].append(train_s)
+        self._last_round_end = _time.perf_counter()
+        return rollout.completion_ids, rollout.logprobs
+
+    def close_producer(self) -> None:
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
 
     # ---- rewards of the last batch (TRL keeps them local to _generate_and_score_completions)
 
@@ -358,3 +463,15 @@ def check_launch_matches_config(experiment: ExperimentConfig, launched: int) -> 
             "trl.GRPOTrainer rejects cp_size/sp_size > 1 and CPU training has no such kernels. Use 1; the sampler "
             "layout itself (grpo.sampling.SequenceParallelRepeatRandomSampler) is ready for a GPU backend."
         )
+
+
+class _WeightSync(TrainerCallback):
+    """Push the trainer's weights to the generator every ``async.vllm_sync_interval`` optimizer steps."""
+
+    def __init__(self, trainer: GRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        if t._producer is not None and state.global_step % t.experiment.async_.vllm_sync_interval == 0:
+            t._producer.push_weights(state.global_step, t.accelerator.unwrap_model(t.model).state_dict())

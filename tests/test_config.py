@@ -96,8 +96,6 @@ def test_invalid_values_are_rejected_with_field_and_valid_values(overrides, frag
 @pytest.mark.parametrize(
     "override, field",
     [
-        ("async.async_prefetch=true", "async.async_prefetch"),
-        ("async.use_data_producer=true", "async.use_data_producer"),
         ("async.vllm_importance_sampling_correction=true", "async.vllm_importance_sampling_correction"),
     ],
 )

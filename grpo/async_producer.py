@@ -1,0 +1,142 @@
+"""Async rollout production on CPU: a generator process with its own copy of the policy runs ahead of training.
+
+While the trainer runs the optimizer steps of generation round ``r``, the generator already samples the
+completions of rounds ``r+1 .. r+prefetch_depth``. Weights are pushed to it every ``vllm_sync_interval`` optimizer
+steps (the name axolotl uses for the same knob with vLLM); every rollout carries the policy version (optimizer step)
+whose weights produced it, and the trainer refuses rollouts more than ``max_staleness`` versions old: they are
+dropped, counted, and generated again with current weights. On GPUs the same role is played by TRL's vLLM
+generation (``grpo.use_vllm``), whose weight sync and importance-sampling correction TRL provides.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Rollout:
+    round_id: int
+    version: int  # optimizer step of the weights that generated it
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]  # sampling log-probs per completion token
+    generate_seconds: float
+
+
+def _serialize_state(state_dict: dict) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, buf)
+    return buf.getvalue()
+
+
+def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int) -> None:
+    """The generator process: load the policy, then serve weight updates and generation requests until told to stop."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    version = 0
+    eos = gen["eos_token_ids"]
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        kind = msg[0]
+        if kind == "stop":
+            return
+        if kind == "weights":
+            _, version, blob = msg
+            model.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+            continue
+        _, round_id, prompt_ids = msg
+        start = time.perf_counter()
+        width = max(map(len, prompt_ids))
+        ids = torch.full((len(prompt_ids), width), gen["pad_token_id"])
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompt_ids):  # left padding, as TRL generates
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=gen["max_new_tokens"],
+                temperature=gen["temperature"], top_p=gen["top_p"], top_k=gen["top_k"] or None,
+                pad_token_id=gen["pad_token_id"], eos_token_id=eos, output_logits=True, return_dict_in_generate=True,
+            )
+        seqs = out.sequences[:, width:]
+        logps = torch.stack([torch.log_softmax(l.float() / gen["temperature"], -1) for l in out.logits], 1)
+        token_logps = logps.gather(-1, seqs[..., None]).squeeze(-1)
+        completions, completion_logps = [], []
+        for row, lp in zip(seqs.tolist(), token_logps.tolist()):
+            end = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+            completions.append(row[:end])
+            completion_logps.append(lp[:end])
+        conn.send(("result", round_id, version, completions, completion_logps, time.perf_counter() - start))
+
+
+class AsyncRolloutProducer:
+    """Client side of the generator process: submit rounds ahead, collect them in order, push weights."""
+
+    def __init__(self, model_dir: str, generation: dict, seed: int, threads: int = 1, start_timeout: float = 120):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_worker, args=(child, model_dir, generation, seed, threads), daemon=True)
+        self._proc.start()
+        child.close()
+        self._pending: dict[int, list[list[int]]] = {}
+        self._done: dict[int, Rollout] = {}
+        self.version = 0
+
+    def submit(self, round_id: int, prompt_ids: list[list[int]]) -> None:
+        self._pending[round_id] = prompt_ids
+        self._conn.send(("generate", round_id, prompt_ids))
+
+    def push_weights(self, version: int, state_dict: dict) -> None:
+        """New weights for the generator; requests already queued before this run with the older version."""
+        self.version = version
+        self._conn.send(("weights", version, _serialize_state(state_dict)))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def get(self, round_id: int, timeout: float = 600.0) -> Rollout:
+        deadline = time.monotonic() + timeout
+        while round_id not in self._done:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._proc.is_alive():
+                raise RuntimeError(
+                    f"generator process {'died' if not self._proc.is_alive() else 'timed out'} waiting for round {round_id}"
+                )
+            if self._conn.poll(min(left, 1.0)):
+                _, rid, version, completions, logps, seconds = self._conn.recv()
+                prompts = self._pending.pop(rid)
+                self._done[rid] = Rollout(rid, version, prompts, completions, logps, seconds)
+        return self._done.pop(round_id)
+
+    def close(self) -> None:
+        try:
+            self._conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+
+def producer_threads() -> int:
+    """Threads for the generator: half the cores, at least one (the trainer keeps the rest)."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+__all__ = ["AsyncRolloutProducer", "Rollout", "producer_threads"]
