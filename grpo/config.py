@@ -336,6 +336,14 @@ class ExperimentConfig(_Section):
                 f"model.tiny.max_position_embeddings ({self.model.tiny.max_position_embeddings}) is too small for "
                 f"grpo.max_completion_length ({g.max_completion_length}) plus a prompt"
             )
+        producer = a.use_data_producer or a.async_prefetch or g.use_vllm
+        for name, on in (("vllm_importance_sampling_correction", a.vllm_importance_sampling_correction),
+                         ("off_policy_mask_threshold", a.off_policy_mask_threshold is not None)):
+            if on and not producer:
+                raise ValueError(
+                    f"async.{name} corrects for a generator whose weights lag the trainer's: it needs "
+                    "async.use_data_producer (or async_prefetch) or grpo.use_vllm"
+                )
         if a.replay_buffer_size and g.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "async.replay_buffer_size needs grpo.multi_objective_aggregation 'sum_then_normalize': replayed groups' "
@@ -362,9 +370,6 @@ class ExperimentConfig(_Section):
         a = self.async_
         pending = {
             "async.streaming_partial_batch": a.streaming_partial_batch,
-            "async.vllm_importance_sampling_correction": a.vllm_importance_sampling_correction,
-            "async.off_policy_mask_threshold": a.off_policy_mask_threshold is not None,
-            "async.use_bias_correction_kl": a.use_bias_correction_kl,
         }
         on = [k for k, v in pending.items() if v]
         if on:

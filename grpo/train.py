@@ -37,6 +37,8 @@ def grpo_args(cfg: ExperimentConfig, output_dir: Path, use_cpu: bool = True):
         vllm_importance_sampling_correction=cfg.async_.vllm_importance_sampling_correction,
         vllm_importance_sampling_mode=cfg.async_.vllm_importance_sampling_mode,
         vllm_importance_sampling_clip_max=cfg.async_.vllm_importance_sampling_cap,
+        off_policy_mask_threshold=cfg.async_.off_policy_mask_threshold,
+        use_bias_correction_kl=cfg.async_.use_bias_correction_kl,
     )
     kwargs.update(g.extra)
     return GRPOConfig(**kwargs)

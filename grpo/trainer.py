@@ -138,6 +138,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         """Generate completions for the rows, score them and compute advantages (TRL's implementation); with
         ``sampling.seqlen_balancing`` and several ranks, then exchange whole groups for balanced token loads."""
         training = self.model.training
+        replaced: list[slice] = []
         if training and self._reroll is not None:
             inputs = self._inject_rerolls(inputs)
         batch = self._generate_and_score_completions(inputs)
@@ -146,7 +147,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             if self._reroll is not None:
                 self._buffer_failed_groups(inputs, rewards)
             if self._replay is not None:
-                self._apply_replay(batch, rewards)
+                replaced = self._apply_replay(batch, rewards)
+        if training and self._async and "sampling_per_token_logps" in batch and not self.use_vllm:
+            self._correct_off_policy(batch, replaced if self._replay is not None else [])
         if training and self._balancing:
             batch, metrics = rebalance_groups(
                 batch, self.num_generations, self.accelerator.process_index, self.accelerator.num_processes,
@@ -254,6 +257,60 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._producer.close()
             self._producer = None
 
+    # ---- off-policy correction for async rollouts (the generator's weights lag the trainer's)
+
+    def _correct_off_policy(self, batch: dict[str, Any], replayed: list[slice]) -> None:
+        """Importance-sampling correction between generator and trainer, and the OPSM fraction.
+
+        ``vllm_importance_sampling_mode``: ``*_truncate`` clamps the ratio pi_train / pi_generator at
+        ``vllm_importance_sampling_cap``; ``*_mask`` gives tokens (or whole sequences) above the cap weight exactly 0
+        -- not a clamped 1/C. The weight multiplies each token's policy-gradient term; since it is >= 0 it is applied
+        through per-token advantages, which TRL's loss accepts as (B, T). Replayed rows had their log-probs
+        recomputed for the current policy, so their weight is 1.
+        """
+        a = self.experiment.async_
+        mask = batch["completion_mask"].float()
+        sampling = torch.nan_to_num(batch["sampling_per_token_logps"], nan=0.0)
+        if "old_per_token_logps" not in batch:
+            ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+            attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+            with torch.no_grad():
+                old, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, attention,
+                                                                    batch["completion_ids"].shape[1])
+        else:
+            old = batch["old_per_token_logps"]
+        diff = (old - sampling) * mask
+
+        if a.off_policy_mask_threshold is not None:  # TRL applies the mask in its loss; this logs its first-pass size
+            seq_kl = (-diff).sum(1) / mask.sum(1).clamp(min=1.0)
+            masked = (batch["advantages"] < 0) & (seq_kl > a.off_policy_mask_threshold)
+            self._metrics["train"]["sampling/opsm_frac_masked"].append(masked.float().mean().item())
+        if not a.vllm_importance_sampling_correction:
+            return
+        if a.vllm_importance_sampling_mode.startswith("sequence"):
+            ratio = diff.sum(1, keepdim=True).exp().expand_as(mask)
+        else:
+            ratio = diff.exp()
+        over = ratio > a.vllm_importance_sampling_cap
+        if a.vllm_importance_sampling_mode.endswith("truncate"):
+            weight = ratio.clamp(max=a.vllm_importance_sampling_cap)
+        else:
+            weight = torch.where(over, torch.zeros_like(ratio), ratio)
+        for rows in replayed:
+            weight[rows] = 1.0
+        valid = mask.bool()
+        r = ratio[valid]
+        m = self._metrics["train"]
+        if r.numel():
+            m["sampling/importance_sampling_ratio/min"].append(r.min().item())
+            m["sampling/importance_sampling_ratio/mean"].append(r.mean().item())
+            m["sampling/importance_sampling_ratio/max"].append(r.max().item())
+        frac = over[valid].float().mean().item() if r.numel() else 0.0
+        m["sampling/is_frac_clamped" if a.vllm_importance_sampling_mode.endswith("truncate") else
+          "sampling/is_frac_masked"].append(frac)
+        advantages = batch["advantages"]
+        batch["advantages"] = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) * weight * mask
+
     # ---- rewards of the last batch (TRL keeps them local to _generate_and_score_completions)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -312,7 +369,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ---- replay buffer
 
-    def _apply_replay(self, batch: dict[str, Any], rewards: torch.Tensor) -> None:
+    def _apply_replay(self, batch: dict[str, Any], rewards: torch.Tensor) -> list[slice]:
         """Replace zero-signal groups by buffered ones, then buffer this batch's groups that have signal."""
         G = self.num_generations
         grouped = torch.nan_to_num(rewards, nan=0.0).view(-1, G)
@@ -347,6 +404,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._replay.add(score, group)
         self._metrics["train"]["replay_buffer_replacements"].append(float(len(replaced)))
         self._metrics["train"]["replay_buffer_size"].append(float(len(self._replay)))
+        return replaced
 
     def _refresh_replayed(self, batch: dict[str, Any], replaced: list[slice]) -> None:
         """Replayed groups were sampled by an older policy: recompute their old (and reference) log-probs for the

@@ -86,6 +86,8 @@ def test_yaml_round_trip_and_flatten():
         (["async.reward_num_workers=0"], ["async.reward_num_workers", "greater than or equal to 1"]),
         (["async.reroll_start_fraction=2"], ["async.reroll_start_fraction", "less than or equal to 1"]),
         (["tracking.backend=wandb"], ["tracking.backend", "'none' or 'mlflow'"]),
+        (["async.vllm_importance_sampling_correction=true"], ["async.vllm_importance_sampling_correction", "needs async.use_data_producer"]),
+        (["async.off_policy_mask_threshold=0.5"], ["async.off_policy_mask_threshold", "needs async.use_data_producer"]),
         (["grpo=3"], ["grpo", "valid dictionary"]),
     ],
 )
@@ -96,7 +98,7 @@ def test_invalid_values_are_rejected_with_field_and_valid_values(overrides, frag
 @pytest.mark.parametrize(
     "override, field",
     [
-        ("async.vllm_importance_sampling_correction=true", "async.vllm_importance_sampling_correction"),
+        ("async.streaming_partial_batch=true", "async.streaming_partial_batch"),
     ],
 )
 def test_features_not_in_this_version_are_refused_not_ignored(override, field):

@@ -1,0 +1,92 @@
+"""Importance-sampling correction for async rollouts: truncate clamps at the cap, mask gives exactly zero."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpo.config import load_config
+from grpo.data import load_task_data
+from grpo.experiment import run_experiment
+from grpo.policy import load_policy
+from grpo.rewards import get_reward
+from grpo.runs import open_run_dir
+from grpo.train import grpo_args
+from grpo.trainer import GRPOTrainer
+from tests.conftest import MICRO, micro_overrides
+
+
+def trainer_with(tmp_path, mode: str, **extra) -> GRPOTrainer:
+    cfg = load_config(MICRO, micro_overrides(tmp_path, **{
+        "async.use_data_producer": "true", "async.vllm_importance_sampling_correction": "true",
+        "async.vllm_importance_sampling_mode": mode, "async.vllm_importance_sampling_cap": 2.0, **extra}))
+    data = load_task_data(cfg.data)
+    policy = load_policy(cfg, data, log=lambda *_: None)
+    return GRPOTrainer(model=policy.model, processing_class=policy.tokenizer, reward_funcs=[get_reward("exact_match")],
+                       args=grpo_args(cfg, tmp_path / "out"), train_dataset=data["train"], experiment=cfg)
+
+
+def batch_with_ratios(ratios: list[list[float]], advantages: list[float]) -> dict:
+    r = torch.tensor(ratios)
+    n, t = r.shape
+    return {"prompt_ids": torch.ones(n, 2, dtype=torch.long), "prompt_mask": torch.ones(n, 2, dtype=torch.long),
+            "completion_ids": torch.ones(n, t, dtype=torch.long), "completion_mask": torch.ones(n, t, dtype=torch.long),
+            "advantages": torch.tensor(advantages), "old_per_token_logps": r.log(),
+            "sampling_per_token_logps": torch.zeros(n, t)}
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("token_truncate", [[0.5, 1.5, 2.0], [1.0, 1.0, 2.0]]),
+    ("token_mask", [[0.5, 1.5, 0.0], [1.0, 1.0, 0.0]]),
+])
+def test_token_modes(tmp_path, mode, expected):
+    trainer = trainer_with(tmp_path, mode)
+    batch = batch_with_ratios([[0.5, 1.5, 3.0], [1.0, 1.0, 9.0]], [1.0, -2.0])
+    trainer._correct_off_policy(batch, [])
+    want = torch.tensor(expected) * torch.tensor([[1.0], [-2.0]])
+    assert torch.allclose(batch["advantages"], want)
+    if mode == "token_mask":
+        assert (batch["advantages"][:, 2] == 0).all()  # exactly zero, never clamped back to 1/C or C
+        assert trainer._metrics["train"]["sampling/is_frac_masked"][-1] == pytest.approx(2 / 6)
+    else:
+        assert trainer._metrics["train"]["sampling/is_frac_clamped"][-1] == pytest.approx(2 / 6)
+    assert trainer._metrics["train"]["sampling/importance_sampling_ratio/max"][-1] == pytest.approx(9.0)
+
+
+@pytest.mark.parametrize("mode", ["sequence_truncate", "sequence_mask"])
+def test_sequence_modes(tmp_path, mode):
+    trainer = trainer_with(tmp_path, mode)
+    batch = batch_with_ratios([[1.2, 1.2, 1.0], [2.0, 2.0, 1.0]], [1.0, 1.0])  # sequence ratios 1.44 and 4
+    trainer._correct_off_policy(batch, [])
+    assert torch.allclose(batch["advantages"][0], torch.full((3,), 1.44))
+    assert torch.allclose(batch["advantages"][1], torch.full((3,), 2.0 if mode == "sequence_truncate" else 0.0))
+
+
+def test_replayed_rows_are_not_reweighted(tmp_path):
+    trainer = trainer_with(tmp_path, "token_mask")
+    batch = batch_with_ratios([[3.0, 3.0], [3.0, 3.0]], [1.0, 1.0])
+    trainer._correct_off_policy(batch, [slice(1, 2)])
+    assert batch["advantages"][0].tolist() == [0.0, 0.0] and batch["advantages"][1].tolist() == [1.0, 1.0]
+
+
+def test_opsm_fraction_is_logged(tmp_path):
+    trainer = trainer_with(tmp_path, "token_truncate", **{"async.off_policy_mask_threshold": 0.5})
+    # sampling log-probs above the trainer's by 1 nat on row 0 (KL 1 > 0.5), equal on row 1; row 0 negative advantage
+    batch = batch_with_ratios([[math.exp(-1), math.exp(-1)], [1.0, 1.0]], [-1.0, -1.0])
+    trainer._correct_off_policy(batch, [])
+    assert trainer._metrics["train"]["sampling/opsm_frac_masked"][-1] == pytest.approx(0.5)
+
+
+def test_async_training_with_is_mask_runs_end_to_end(tmp_path):
+    cfg = load_config(MICRO, micro_overrides(tmp_path, **{
+        "async.use_data_producer": "true", "async.async_prefetch": "true",
+        "async.vllm_importance_sampling_correction": "true", "async.vllm_importance_sampling_mode": "token_mask",
+        "async.off_policy_mask_threshold": 1.0, "grpo.max_steps": 4, "grpo.logging_steps": 1,
+        "evaluation.enabled": "false"}))
+    run = open_run_dir(cfg, "is", resume=False)
+    summary = run_experiment(cfg, run, log=lambda *_: None)
+    assert summary["steps"] == 4
+    assert "sampling/importance_sampling_ratio/mean" in summary["metrics"]
+    assert "sampling/is_frac_masked" in summary["metrics"]
