@@ -66,9 +66,13 @@ def _ui_url(flow_run_id: str | None) -> str | None:
 
 @flow(name="grpo-pipeline", log_prints=True)
 def grpo_pipeline(
-    config: ExperimentConfig = default_config(), run_name: str | None = None, resume: bool = False
+    config: ExperimentConfig = default_config(), run_name: str | None = None, resume: bool = False,
+    tracking_tags: dict | None = None,
 ) -> dict:
-    """Prepare data, plan, evaluate, train with GRPO and evaluate again, tracked in MLflow."""
+    """Prepare data, plan, evaluate, train with GRPO and evaluate again, tracked in MLflow.
+
+    ``tracking_tags`` are added to the MLflow run's tags (a sweep sets ``mlflow.parentRunId`` to nest its trials).
+    """
     started = time.perf_counter()
     logger = get_run_logger()
     flow_run_id, flow_run_name, attempt = _flow_run_info()
@@ -83,7 +87,7 @@ def grpo_pipeline(
     if tracker is not None:
         tags = {"prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": flow_run_name,
                 "prefect.deployment": _deployment_name(), "prefect.ui_url": _ui_url(flow_run_id),
-                "grpo.run_dir": str(run.path)}
+                "grpo.run_dir": str(run.path), **(tracking_tags or {})}
         mlflow_run_id = tracker.start(name, config.tracking.experiment_name, tags={k: v for k, v in tags.items() if v},
                                       params=flatten(config), run_id=MlflowTracker.saved_run_id(tracker.spool_dir))
         _TRACKERS[str(run.path)] = tracker

@@ -84,6 +84,61 @@ def run(
 
 
 @app.command()
+def sweep(
+    config: ConfigOpt,
+    space: Annotated[Path, typer.Option("--space", help="Search space YAML/JSON: grid and/or random over field paths.")],
+    max_concurrency: Annotated[int, typer.Option("--max-concurrency", help="Trials running at once.")] = 2,
+    metric: Annotated[str, typer.Option("--metric", help="Summary key (or MLflow metric) picking the best trial.")] = "eval_accuracy_after",
+    direction: Annotated[str, typer.Option("--direction", help="maximize or minimize the metric.")] = "maximize",
+    name: Annotated[Optional[str], typer.Option("--name", help="Sweep name (default: <name>-sweep-<time>).")] = None,
+    deployment: Annotated[Optional[str], typer.Option("--deployment", help="Run trials as flow runs of this grpo-pipeline deployment.")] = None,
+    set_: SetOpt = None,
+    reward_module: RewardModuleOpt = None,
+) -> None:
+    """Run one pipeline per trial of a search space (Prefect flow grpo-sweep), nested under one MLflow run."""
+    try:
+        cfg = _load(config, set_, reward_module)
+        from grpo.errors import RunDirectoryError
+        from grpo.runs import validate_run_name
+        from grpo.sweep_space import expand_space, load_space
+
+        if direction not in ("maximize", "minimize"):
+            _fail(f"--direction {direction!r}: use maximize or minimize")
+        if max_concurrency < 1:
+            _fail(f"--max-concurrency {max_concurrency}: must be >= 1")
+        space_data = load_space(space)
+        trials = expand_space(cfg, space_data)  # fail fast, before Prefect or MLflow start
+        if name is not None:
+            try:
+                validate_run_name(name)
+            except RunDirectoryError:
+                _fail(f"--name {name!r}: use letters, digits, '.', '_' or '-' (max 128 characters, no leading punctuation)")
+            if (Path(cfg.output_dir) / name).exists():
+                raise RunDirectoryError(f"sweep directory {Path(cfg.output_dir) / name} already exists; choose another --name")
+        typer.echo(f"sweep: {len(trials)} trials, at most {max_concurrency} at once")
+        from flows.sweep import SweepError, grpo_sweep
+
+        try:
+            result = grpo_sweep(config=cfg, space=space_data, max_concurrency=max_concurrency, metric=metric,
+                                direction=direction, sweep_name=name, use_deployment=deployment)
+        except SweepError as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(code=1) from None
+    except GRPOPlatformError as err:
+        _fail(str(err))
+    for r in result["trials"]:
+        value = "-" if r["metric_value"] is None else f"{r['metric_value']:.4f}"
+        detail = r["error"] if r["status"] == "failed" else ", ".join(f"{k}={v}" for k, v in r["overrides"].items())
+        typer.echo(f"  {r['run_name']:28s} {r['status']:9s} {metric}={value}  {detail}")
+    if result["best"] is not None:
+        typer.echo(f"best: {result['best']['run_name']} ({metric}={result['best']['metric_value']:.4f})")
+    if result["registered_model"]:
+        m = result["registered_model"]
+        typer.echo(f"registered: {m['name']} version {m['version']} (alias {m['alias']})")
+    typer.echo(f"sweep: {result['sweep_dir']}")
+
+
+@app.command()
 def validate(config: ConfigOpt, set_: SetOpt = None, reward_module: RewardModuleOpt = None) -> None:
     """Check a config without building anything; prints the resolved YAML."""
     try:
@@ -132,6 +187,34 @@ def rewards(reward_module: RewardModuleOpt = None) -> None:
 
 
 @app.command()
+def dashboard(
+    experiment: Annotated[str, typer.Option("--experiment", "-e", help="MLflow experiment name.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="HTML file to write (self-contained, opens offline).")],
+    sweep: Annotated[Optional[str], typer.Option("--sweep", help="Only the child runs of this sweep run id.")] = None,
+    tracking_uri: Annotated[
+        Optional[str], typer.Option("--tracking-uri", help="MLflow URI (default: MLFLOW_TRACKING_URI, else ./mlflow.db).")
+    ] = None,
+) -> None:
+    """Write an HTML dashboard comparing the runs of an MLflow experiment or sweep (rewards, eval, final metrics)."""
+    from grpo.tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(tracking_uri, Path.cwd())
+    try:
+        from mlflow.exceptions import MlflowException
+
+        from dashboards.comparison import build_dashboard
+
+        path = build_dashboard(uri, experiment, sweep, out=out)
+    except (GRPOPlatformError, ValueError) as err:
+        _fail(str(err))
+    except MlflowException as err:
+        _fail(f"MLflow ({uri}): {err.message.strip().splitlines()[0] if err.message.strip() else err}")
+    except OSError as err:
+        _fail(f"can not write {out}: {err}")
+    typer.echo(f"dashboard: {path}")
+
+
+@app.command()
 def ui(
     prefect_port: Annotated[int, typer.Option(help="Prefect UI/API port.")] = 4200,
     mlflow_port: Annotated[int, typer.Option(help="MLflow UI/API port.")] = 5000,
@@ -156,6 +239,62 @@ def ui(
         pass
     finally:
         stop_servers(procs)
+
+
+@app.command()
+def serve(
+    config: Annotated[
+        Optional[Path], typer.Option("--config", "-c", help="Defaults of the run form (default: configs/tiny.yaml).")
+    ] = None,
+    schedule: Annotated[
+        Optional[str], typer.Option("--schedule", help="Cron string: run the sweep (or the pipeline) on this schedule.")
+    ] = None,
+    schedule_flow: Annotated[
+        Optional[str], typer.Option("--schedule-flow", help="Which deployment --schedule applies to: sweep or pipeline "
+                                                            "(default: sweep when flows/sweep.py exists).")
+    ] = None,
+    timezone: Annotated[Optional[str], typer.Option("--timezone", help="Time zone of --schedule (default UTC).")] = (
+        None
+    ),
+    name: Annotated[str, typer.Option("--name", help="Deployment name: grpo-pipeline/NAME, grpo-sweep/NAME.")] = (
+        "local"
+    ),
+    limit: Annotated[Optional[int], typer.Option("--limit", help="At most this many flow runs at once.")] = None,
+) -> None:
+    """Serve the pipeline (and sweep) flows on the Prefect server at PREFECT_API_URL until Ctrl-C: runs started from
+    the Prefect UI, or by the schedule, execute here; no work pool or worker needed."""
+    from grpo import serve as serving
+
+    if schedule_flow not in (None, "sweep", "pipeline"):
+        _fail(f"--schedule-flow {schedule_flow!r}: valid values are 'sweep', 'pipeline'")
+    if schedule_flow and schedule is None:
+        _fail("--schedule-flow needs --schedule CRON")
+    try:
+        url = serving.check_server()
+        deployments = serving.build_deployments(name, config, schedule, schedule_flow, timezone)
+    except GRPOPlatformError as err:
+        _fail(str(err))
+    typer.echo(f"Prefect server: {url.removesuffix('/api')}  (Ctrl-C stops serving and pauses the schedules)")
+    serving.serve(deployments, limit=limit, echo=typer.echo)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def deploy(
+    ctx: typer.Context,
+    prefect_file: Annotated[Path, typer.Option("--prefect-file", help="Deployment file.")] = Path("infra/prefect.yaml"),
+    name: Annotated[
+        Optional[list[str]], typer.Option("--name", "-n", help="Deploy only this deployment (repeatable).")
+    ] = None,
+) -> None:
+    """`prefect deploy` of infra/prefect.yaml (run from the repository root, work pools created first; see
+    infra/README.md). Other options are passed to `prefect deploy`."""
+    from grpo import serve as serving
+
+    try:
+        code = serving.prefect_deploy(prefect_file, name, ctx.args)
+    except GRPOPlatformError as err:
+        _fail(str(err))
+    raise typer.Exit(code=code)
 
 
 def main() -> None:

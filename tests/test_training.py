@@ -69,13 +69,15 @@ def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path
         cmd += ["--set", item]
     run = RunDir(tmp_path / "killed")
     env = {**os.environ, "PROMPT_LOG": str(tmp_path / "first.jsonl")}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # its own process group, so the kill below also takes down the run's temporary Prefect server
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline and not (run.checkpoints / "checkpoint-8" / "trainer_state.json").is_file():
         if proc.poll() is not None:
             raise AssertionError("training finished or failed before it could be killed")
         time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     killed_at = run.latest_checkpoint()
     assert killed_at is not None and int(killed_at.name.split("-")[1]) < 40

@@ -1,0 +1,489 @@
+"""Comparison dashboard: one self-contained HTML file comparing the MLflow runs of an experiment or of a sweep.
+
+``build_dashboard(tracking_uri, experiment, sweep_run_id=None, out=...)`` reads the runs with
+``MlflowClient.search_runs`` (all active runs of the experiment, or only the children of a sweep: the runs whose tag
+``mlflow.parentRunId`` is ``sweep_run_id``) and their metric histories with ``get_metric_history``, and writes:
+
+* reward per step for every run (and ``reward_std`` next to it when logged),
+* greedy eval accuracy before/after training per run (bars),
+* a final-metrics table: run name, status, the params whose values differ between the runs, steps, final reward,
+  ``eval/accuracy_before``/``eval/accuracy_after``, pass@k and wall time,
+* panels for zero-std groups / skipped zero-advantage batches, the replay buffer, reroll, batch balance, async
+  rollouts, step time and system metrics, each only when at least one run logged one of its metrics (the page lists
+  the panels left out).
+
+plotly.js is inlined once in the page (no CDN, no other file), so the HTML opens offline. ``log_dashboard`` uploads
+the file as an artifact of a run (e.g. the sweep's parent run).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from grpo.errors import GRPOPlatformError
+
+ARTIFACT_PATH = "dashboard"
+_MAX_RUNS = 500  # more runs than this make an unreadable page; the newest are shown
+_HISTORY_WORKERS = 4
+
+
+class DashboardError(GRPOPlatformError, ValueError):
+    """The dashboard can not be built: unknown experiment or sweep, no runs, unreachable tracking store."""
+
+
+@dataclass(frozen=True)
+class Panel:
+    """A figure of one subplot per metric (only the metrics some run logged); skipped when none was logged."""
+
+    div_id: str
+    title: str
+    metrics: tuple[str, ...] = ()
+    prefix: str | None = None  # also every metric starting with this (e.g. ``async/``)
+    pattern: str | None = None  # also every metric matching this regex (full match)
+    description: str = ""
+
+
+# Order of the page. The reward panel comes first, then eval bars and the table (built separately), then these.
+REWARD_PANEL = Panel("panel-reward", "Reward", ("reward", "reward_std"),
+                     description="Mean reward per training step (left) and the mean within-group reward std (right).")
+METRIC_PANELS = (
+    Panel("panel-zero-adv", "Zero-std groups and skipped zero-advantage batches",
+          ("frac_reward_zero_std", "skipped_zero_adv_batches"),
+          description="Share of prompt groups whose completions all got the same reward (no learning signal), and "
+                      "the batches skipped because every advantage was zero."),
+    Panel("panel-replay", "Replay buffer", ("replay_buffer_replacements", "replay_buffer_size")),
+    Panel("panel-reroll", "Reroll", ("reroll_injected", "reroll_buffered", "reroll_buffer_size", "reroll_dropped")),
+    Panel("panel-balance", "Batch balance", ("balance/imbalance", "balance/imbalance_unbalanced",
+                                             "balance/max_tokens", "balance/min_tokens"),
+          description="Token imbalance across ranks after (and without) balancing."),
+    Panel("panel-async", "Async rollouts", ("async/staleness_mean", "async/staleness_max", "async/dropped_stale",
+                                            "async/queue_wait_s", "async/generate_s", "async/train_s"),
+          prefix="async/"),
+    Panel("panel-step-time", "Step time", ("step_time",), description="Seconds per training step."),
+    Panel("panel-system", "System", ("system/cpu_utilization_percentage", "system/system_memory_usage_percentage"),
+          pattern=r"system/gpu_\d+_utilization_percentage"),
+)
+EVAL_DIV_ID = "panel-eval"
+EVAL_BEFORE, EVAL_AFTER = "eval/accuracy_before", "eval/accuracy_after"
+_PASS_AT_K = re.compile(r"eval/pass_at_(\d+)_after")
+
+_COLORS = ("#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880", "#FF97FF",
+           "#FECB52", "#1F77B4", "#8C564B", "#7F7F7F", "#BCBD22", "#17BECF", "#D62728")
+
+
+@dataclass
+class RunData:
+    run_id: str
+    name: str
+    label: str  # unique legend name
+    status: str
+    start_ms: int | None
+    end_ms: int | None
+    params: dict[str, str]
+    latest: dict[str, float]
+    color: str = ""
+    history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+    def wall_seconds(self, now_ms: int) -> float | None:
+        if self.start_ms is None:
+            return None
+        end = self.end_ms if self.end_ms and self.status != "RUNNING" else now_ms
+        return max(0.0, (end - self.start_ms) / 1000)
+
+    def steps(self) -> int | None:
+        points = self.history.get("reward") or self.history.get("step_time")
+        return max(s for s, _ in points) if points else None
+
+
+# ---------------------------------------------------------------------------------------------------- reading MLflow
+
+
+def _client(tracking_uri: str):
+    """An ``MlflowClient`` after checking that the store is there: a server must answer ``/health`` (MLflow's own
+    client would retry for minutes), a SQLite file must exist (MLflow would create an empty one)."""
+    from mlflow import MlflowClient
+
+    if tracking_uri.startswith(("http://", "https://")):
+        import requests
+
+        try:
+            requests.get(tracking_uri.rstrip("/") + "/health", timeout=10).raise_for_status()
+        except requests.RequestException as err:
+            raise DashboardError(f"MLflow tracking server {tracking_uri} is unreachable: {err}") from None
+    elif tracking_uri.startswith("sqlite:///"):
+        db = Path(tracking_uri[len("sqlite:///"):])
+        if not db.is_file():
+            raise DashboardError(f"no MLflow store at {db} (tracking URI {tracking_uri}); "
+                                 "pass --tracking-uri or set MLFLOW_TRACKING_URI")
+    return MlflowClient(tracking_uri)
+
+
+def _experiment(client, name: str):
+    exp = client.get_experiment_by_name(name)
+    if exp is not None and exp.lifecycle_stage != "deleted":
+        return exp
+    names = sorted(e.name for e in client.search_experiments(max_results=1000))
+    shown = ", ".join(repr(n) for n in names[:30]) + (f", ... ({len(names)} in all)" if len(names) > 30 else "")
+    raise DashboardError(f"unknown MLflow experiment {name!r}; existing experiments: {shown or '(none)'}")
+
+
+def _search(client, experiment_id: str, filter_string: str = "") -> list:
+    from mlflow.entities import ViewType
+
+    runs, token = [], None
+    while len(runs) < _MAX_RUNS:
+        page = client.search_runs([experiment_id], filter_string=filter_string, run_view_type=ViewType.ACTIVE_ONLY,
+                                  max_results=min(500, _MAX_RUNS - len(runs)), order_by=["attributes.start_time DESC"],
+                                  page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            break
+    return runs[::-1]  # oldest first
+
+
+def _sweep_runs(client, experiment, sweep_run_id: str) -> tuple[Any, list]:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        parent = client.get_run(sweep_run_id)
+    except MlflowException:
+        raise DashboardError(f"sweep run {sweep_run_id!r} not found in the MLflow store") from None
+    if parent.info.experiment_id != experiment.experiment_id:
+        raise DashboardError(f"sweep run {sweep_run_id!r} belongs to experiment id {parent.info.experiment_id}, "
+                             f"not to {experiment.name!r} (id {experiment.experiment_id})")
+    quoted = sweep_run_id.replace("'", "")
+    return parent, _search(client, experiment.experiment_id, f"tags.`mlflow.parentRunId` = '{quoted}'")
+
+
+def _panel_keys(panel: Panel, available: set[str]) -> list[str]:
+    keys = [k for k in panel.metrics if k in available]
+    extra = set()
+    if panel.prefix:
+        extra |= {k for k in available if k.startswith(panel.prefix)}
+    if panel.pattern:
+        extra |= {k for k in available if re.fullmatch(panel.pattern, k)}
+    return keys + sorted(extra - set(keys))
+
+
+def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
+    """(step, value) sorted by step; of several values at one step the latest logged wins; NaN/inf dropped."""
+    by_step: dict[int, tuple[int, float]] = {}
+    for m in client.get_metric_history(run_id, key):
+        if m.value is None or not math.isfinite(m.value):
+            continue
+        if m.step not in by_step or m.timestamp >= by_step[m.step][0]:
+            by_step[m.step] = (m.timestamp, float(m.value))
+    return [(s, by_step[s][1]) for s in sorted(by_step)]
+
+
+def _collect(client, mlflow_runs: list) -> list[RunData]:
+    runs = []
+    counts: dict[str, int] = {}
+    for r in mlflow_runs:
+        name = r.info.run_name or r.info.run_id[:8]
+        counts[name] = counts.get(name, 0) + 1
+    for i, r in enumerate(mlflow_runs):
+        name = r.info.run_name or r.info.run_id[:8]
+        runs.append(RunData(
+            run_id=r.info.run_id, name=name, label=name if counts[name] == 1 else f"{name} ({r.info.run_id[:6]})",
+            status=r.info.status, start_ms=r.info.start_time, end_ms=r.info.end_time, params=dict(r.data.params),
+            latest={k: v for k, v in r.data.metrics.items() if v is not None}, color=_COLORS[i % len(_COLORS)]))
+    wanted = set(REWARD_PANEL.metrics)
+    for panel in METRIC_PANELS:
+        wanted |= set(_panel_keys(panel, {k for run in runs for k in run.latest}))
+    jobs = [(run, key) for run in runs for key in sorted(wanted & set(run.latest))]
+    with ThreadPoolExecutor(max_workers=_HISTORY_WORKERS) as pool:
+        results = list(pool.map(lambda job: _history(client, job[0].run_id, job[1]), jobs))
+    for (run, key), points in zip(jobs, results):
+        if points:
+            run.history[key] = points
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------------- figures
+
+
+def _figure_html(fig, div_id: str, height: int) -> str:
+    import plotly.io as pio
+
+    return pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=div_id, default_height=f"{height}px",
+                       config={"displaylogo": False, "responsive": True})
+
+
+def _metric_panel(panel: Panel, runs: list[RunData]) -> tuple[str, int] | None:
+    """(HTML, number of traces) of a panel, or None when no run logged any of its metrics."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    keys = _panel_keys(panel, {k for run in runs for k in run.history})
+    if not keys:
+        return None
+    cols = min(3, len(keys))
+    rows = math.ceil(len(keys) / cols)
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=keys, horizontal_spacing=0.07,
+                        vertical_spacing=0.5 / rows if rows > 1 else 0.1)
+    traces = 0
+    shown: set[str] = set()
+    for i, key in enumerate(keys):
+        row, col = divmod(i, cols)
+        for run in runs:
+            points = run.history.get(key)
+            if not points:
+                continue
+            fig.add_trace(go.Scatter(
+                x=[s for s, _ in points], y=[v for _, v in points], mode="lines+markers" if len(points) < 60 else "lines",
+                name=run.label, legendgroup=run.run_id, showlegend=run.run_id not in shown,
+                line={"color": run.color, "width": 2}, marker={"size": 5},
+                hovertemplate=f"{html.escape(run.label)}<br>step %{{x}}<br>{key} %{{y:.4g}}<extra></extra>",
+            ), row=row + 1, col=col + 1)
+            shown.add(run.run_id)
+            traces += 1
+        fig.update_xaxes(title_text="step", row=row + 1, col=col + 1)
+    height = 360 + 300 * (rows - 1)
+    fig.update_layout(height=height, margin={"l": 50, "r": 20, "t": 40, "b": 50}, template="plotly_white",
+                      legend={"orientation": "h", "y": -0.25 / rows, "yanchor": "top"} if len(runs) > 1 else {},
+                      showlegend=True, hovermode="closest")
+    return _figure_html(fig, panel.div_id, height + (40 if len(runs) > 1 else 0)), traces
+
+
+def _eval_panel(runs: list[RunData]) -> tuple[str, int] | None:
+    import plotly.graph_objects as go
+
+    with_eval = [r for r in runs if EVAL_BEFORE in r.latest or EVAL_AFTER in r.latest]
+    if not with_eval:
+        return None
+    fig = go.Figure()
+    for key, label, color in ((EVAL_BEFORE, "before training", "#9DA5B4"), (EVAL_AFTER, "after training", "#2B6CB0")):
+        if not any(key in r.latest for r in with_eval):
+            continue
+        values = [r.latest.get(key) for r in with_eval]
+        fig.add_trace(go.Bar(x=[r.label for r in with_eval], y=values, name=label, marker_color=color,
+                             text=[f"{v:.3f}" if v is not None else "" for v in values], textposition="outside",
+                             hovertemplate="%{x}<br>" + label + " %{y:.4f}<extra></extra>"))
+    top = max((v for r in with_eval for k in (EVAL_BEFORE, EVAL_AFTER) if (v := r.latest.get(k)) is not None),
+              default=1.0)
+    fig.update_layout(barmode="group", height=380, template="plotly_white", yaxis_title="greedy accuracy",
+                      yaxis_range=[0, max(1.0, top) * 1.12], margin={"l": 50, "r": 20, "t": 30, "b": 40},
+                      legend={"orientation": "h", "y": 1.08, "yanchor": "bottom"})
+    return _figure_html(fig, EVAL_DIV_ID, 380), len(fig.data)
+
+
+# ---------------------------------------------------------------------------------------------------- table
+
+
+def _fmt(value: float | None, digits: int = 4) -> str:
+    if value is None:
+        return "—"
+    if float(value).is_integer() and abs(value) < 1e9:
+        return str(int(value))
+    return f"{value:.{digits}g}"
+
+
+def _fmt_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s % 3600 // 60:02d}m"
+
+
+def differing_params(runs: list[RunData]) -> list[str]:
+    """Param keys whose value (missing counts as a value) is not the same in every run."""
+    keys = sorted({k for r in runs for k in r.params})
+    return [k for k in keys if len({r.params.get(k) for r in runs}) > 1]
+
+
+def _pass_at_k(run: RunData) -> str:
+    found = sorted((int(m.group(1)), v) for k, v in run.latest.items() if (m := _PASS_AT_K.fullmatch(k)))
+    return ", ".join(f"{_fmt(v)} (k={k})" for k, v in found) or "—"
+
+
+def _run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    base = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def _table(runs: list[RunData], tracking_uri: str, experiment_id: str, now_ms: int) -> str:
+    params = differing_params(runs) if len(runs) > 1 else []
+    e = html.escape
+    head = ["run", "status", *params, "steps", "final reward", "eval accuracy before", "eval accuracy after",
+            "pass@k after", "wall time"]
+    out = ['<table id="final-metrics" class="metrics">', "<thead><tr>"]
+    out += [f'<th{" class=param" if h in params else ""}>{e(h)}</th>' for h in head]
+    out.append("</tr></thead><tbody>")
+    for r in runs:
+        cells = [f'<td class="run"><span class="swatch" style="background:{r.color}"></span>'
+                 f'<a href="{e(_run_url(tracking_uri, experiment_id, r.run_id))}" title="{e(r.run_id)}">'
+                 f"{e(r.label)}</a></td>",
+                 f'<td class="status status-{e(r.status.lower())}">{e(r.status)}</td>']
+        for p in params:
+            value = r.params.get(p)
+            short = value if value is None or len(value) <= 40 else value[:37] + "..."
+            cells.append(f'<td class="param" title="{e(value or "")}">{e(short) if short is not None else "—"}</td>')
+        wall = r.wall_seconds(now_ms)
+        cells += [f"<td>{_fmt(r.steps())}</td>", f"<td>{_fmt(r.latest.get('reward'))}</td>",
+                  f"<td>{_fmt(r.latest.get(EVAL_BEFORE))}</td>", f"<td>{_fmt(r.latest.get(EVAL_AFTER))}</td>",
+                  f"<td>{e(_pass_at_k(r))}</td>",
+                  f"<td>{_fmt_seconds(wall)}{' (running)' if r.status == 'RUNNING' else ''}</td>"]
+        out.append("<tr>" + "".join(cells) + "</tr>")
+    out.append("</tbody></table>")
+    if len(runs) > 1 and not params:
+        out.append('<p class="note">All runs have the same params.</p>')
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------- page
+
+_CSS = """
+body { font-family: -apple-system, "Segoe UI", Roboto, Helvetica, Arial, sans-serif; margin: 0; background: #f5f6f8;
+       color: #1f2933; }
+header { background: #1f2933; color: #fff; padding: 16px 28px; }
+header h1 { margin: 0 0 4px 0; font-size: 22px; }
+header .meta { font-size: 13px; color: #cbd2d9; }
+header .meta span { margin-right: 18px; }
+main { max-width: 1280px; margin: 0 auto; padding: 12px 20px 40px; }
+section { background: #fff; border-radius: 6px; box-shadow: 0 1px 3px rgba(0,0,0,.08); margin: 16px 0;
+          padding: 12px 16px; }
+section h2 { font-size: 16px; margin: 4px 0 2px 0; }
+section p.desc, p.note { font-size: 13px; color: #52606d; margin: 2px 0 6px 0; }
+.table-wrap { overflow-x: auto; }
+table.metrics { border-collapse: collapse; font-size: 13px; width: 100%; }
+table.metrics th, table.metrics td { border-bottom: 1px solid #e4e7eb; padding: 6px 8px; text-align: right;
+                                     white-space: nowrap; }
+table.metrics th { background: #f0f2f5; position: sticky; top: 0; }
+table.metrics td.run, table.metrics th:first-child, table.metrics .param, table.metrics .status,
+table.metrics th:nth-child(2) { text-align: left; }
+th.param, td.param { color: #3e4c59; font-family: ui-monospace, Menlo, Consolas, monospace; }
+.swatch { display: inline-block; width: 10px; height: 10px; border-radius: 2px; margin-right: 6px; }
+td.run a { color: inherit; text-decoration: none; }
+td.run a:hover { text-decoration: underline; }
+.status-finished { color: #1e7e34; } .status-failed, .status-killed { color: #c0392b; } .status-running { color: #b7791f; }
+"""
+
+
+def _section(div_id: str, title: str, body: str, description: str = "") -> str:
+    desc = f'<p class="desc">{html.escape(description)}</p>' if description else ""
+    return (f'<section id="{div_id}-section" data-panel="{div_id}"><h2>{html.escape(title)}</h2>{desc}'
+            f"{body}</section>")
+
+
+def render(runs: list[RunData], *, title: str, subtitle: str, tracking_uri: str, experiment_id: str,
+           generated: datetime) -> tuple[str, list[str]]:
+    """The page and the div ids of the plotly figures in it (in page order)."""
+    import plotly.offline
+
+    now_ms = int(generated.timestamp() * 1000)
+    sections, plot_ids, skipped = [], [], []
+
+    def add_plot(div_id: str, title_: str, made: tuple[str, int] | None, description: str = "") -> None:
+        if made is None:
+            skipped.append(title_)
+            return
+        sections.append(_section(div_id, title_, made[0], description))
+        plot_ids.append(div_id)
+
+    add_plot(REWARD_PANEL.div_id, REWARD_PANEL.title, _metric_panel(REWARD_PANEL, runs), REWARD_PANEL.description)
+    add_plot(EVAL_DIV_ID, "Eval accuracy", _eval_panel(runs),
+             "Greedy accuracy on the held-out split before and after training.")
+    sections.append(_section("final-metrics", "Final metrics",
+                             f'<div class="table-wrap">{_table(runs, tracking_uri, experiment_id, now_ms)}</div>',
+                             "Params listed are the ones whose values differ between the runs."))
+    for panel in METRIC_PANELS:
+        add_plot(panel.div_id, panel.title, _metric_panel(panel, runs), panel.description)
+    if skipped:
+        sections.append(f'<p class="note" id="skipped-panels">Not shown (no run logged these metrics): '
+                        f"{html.escape(', '.join(skipped))}.</p>")
+
+    e = html.escape
+    stamp = generated.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    page = f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="generator" content="grpo dashboard">
+<title>{e(title)}</title>
+<style>{_CSS}</style>
+<script>window.PlotlyConfig = {{MathJaxConfig: 'local'}};</script>
+<script charset="utf-8">{plotly.offline.get_plotlyjs()}</script>
+</head>
+<body>
+<header>
+<h1 id="dashboard-title">{e(title)}</h1>
+<div class="meta"><span>{e(subtitle)}</span><span>{len(runs)} run{"s" if len(runs) != 1 else ""}</span>
+<span>tracking: {e(tracking_uri)}</span><span id="generated-at">generated {stamp}</span></div>
+</header>
+<main>
+{chr(10).join(sections)}
+</main>
+</body>
+</html>
+"""
+    return page, plot_ids
+
+
+def build_dashboard(tracking_uri: str, experiment: str, sweep_run_id: str | None = None, *, out: Path) -> Path:
+    """Write the comparison dashboard of ``experiment`` (or of the sweep ``sweep_run_id`` in it) to ``out``.
+
+    Raises :class:`DashboardError` (a ``ValueError``) for an unknown experiment (the message lists the existing
+    ones), an unknown sweep run, no runs to compare, or an unreachable store. Returns ``out``.
+    """
+    client = _client(tracking_uri)
+    exp = _experiment(client, experiment)
+    if sweep_run_id:
+        parent, mlflow_runs = _sweep_runs(client, exp, sweep_run_id)
+        if not mlflow_runs:
+            raise DashboardError(f"sweep run {sweep_run_id!r} in experiment {experiment!r} has no child runs")
+        sweep_name = parent.info.run_name or sweep_run_id
+        title = f"GRPO sweep {sweep_name}"
+        subtitle = f"experiment {experiment} · sweep run {sweep_run_id}"
+    else:
+        mlflow_runs = _search(client, exp.experiment_id)
+        if not mlflow_runs:
+            raise DashboardError(f"MLflow experiment {experiment!r} has no runs")
+        title = f"GRPO experiment {experiment}"
+        subtitle = f"experiment {experiment} (id {exp.experiment_id})"
+    runs = _collect(client, mlflow_runs)
+    page, _ = render(runs, title=title, subtitle=subtitle, tracking_uri=tracking_uri,
+                     experiment_id=exp.experiment_id, generated=datetime.now(timezone.utc))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(out)
+    return out
+
+
+def log_dashboard(tracker_or_client: Any, run_id: str | None, path: str | Path,
+                  artifact_path: str = ARTIFACT_PATH) -> str:
+    """Upload the dashboard file ``path`` as an artifact of ``run_id`` (e.g. a sweep's parent run).
+
+    ``tracker_or_client`` is a :class:`grpo.tracking.MlflowTracker` (``run_id`` may then be None for the tracker's
+    own run) or an ``MlflowClient``. Returns the artifact's path in the run, ``dashboard/<file name>``. Errors of the
+    upload are raised (the caller decides whether a missing dashboard matters).
+    """
+    client = getattr(tracker_or_client, "client", tracker_or_client)
+    run_id = run_id or getattr(tracker_or_client, "run_id", None)
+    if not run_id:
+        raise DashboardError("log_dashboard: no run id (pass one, or a started tracker)")
+    path = Path(path)
+    if not path.is_file():
+        raise DashboardError(f"log_dashboard: no dashboard file at {path}")
+    client.log_artifact(run_id, str(path), artifact_path)
+    return f"{artifact_path}/{path.name}" if artifact_path else path.name
+
+
+__all__ = ["DashboardError", "build_dashboard", "differing_params", "log_dashboard", "render"]
+

@@ -1,0 +1,233 @@
+"""``grpo serve`` and ``grpo deploy``: the platform's flows on a running Prefect server.
+
+``grpo serve`` is the one-command local setup: it registers the pipeline flow (and the sweep flow) as deployments
+of the Prefect server at ``PREFECT_API_URL`` and runs their flow runs on this machine (subprocesses of this one)
+until Ctrl-C, with no work pool or worker (``prefect.serve``). The run form in the Prefect UI starts from
+``configs/tiny.yaml``; ``--schedule CRON`` makes the sweep (or the pipeline) recur.
+
+``grpo deploy`` is ``prefect deploy`` over ``infra/prefect.yaml`` (deployments to work pools, run by workers), with
+the checks done first so a missing server, work pool or flow file is one line, and with a fix for Prefect 3.8.8's
+``prefect deploy`` against this project's FastAPI (see :func:`_patch_worker_lookup`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo.errors import GRPOPlatformError
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO / "configs" / "tiny.yaml"
+SWEEP_FILE = REPO / "flows" / "sweep.py"
+
+# Defaults of the sweep's run form (the same as the `nightly` deployment in infra/prefect.yaml).
+SWEEP_PARAMETERS: dict[str, Any] = {
+    "space": {"grid": {"grpo.learning_rate": [5.0e-5, 1.0e-4, 2.0e-4]}},
+    "max_concurrency": 1,
+    "metric": "eval_accuracy_after",
+    "direction": "maximize",
+}
+
+
+class ServeError(GRPOPlatformError):
+    """No Prefect server to serve or deploy to, or a bad option (schedule, config, work pool)."""
+
+
+# ---------------------------------------------------------------- the server
+
+
+def api_url() -> str:
+    """``PREFECT_API_URL`` (environment or Prefect profile), or :class:`ServeError` when none is set."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise ServeError(
+            "PREFECT_API_URL is not set: start a server (`grpo ui`, or `prefect server start`) and "
+            "export PREFECT_API_URL=http://127.0.0.1:4200/api"
+        )
+    return url.rstrip("/")
+
+
+def check_server(timeout: float = 5.0) -> str:
+    """The API URL of a Prefect server that answers its health check; :class:`ServeError` otherwise."""
+    import httpx
+
+    url = api_url()
+    try:
+        response = httpx.get(f"{url}/health", timeout=timeout)
+    except httpx.HTTPError as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ServeError(f"no Prefect server at {url} ({reason}); start one with `grpo ui` or "
+                         "`prefect server start`, or fix PREFECT_API_URL") from None
+    if response.status_code != 200:
+        raise ServeError(f"the Prefect server at {url} is not healthy (HTTP {response.status_code} from /health)")
+    return url
+
+
+# ---------------------------------------------------------------- grpo serve
+
+
+def check_cron(cron: str, timezone: str | None = None) -> None:
+    from pydantic import ValidationError
+    from prefect.client.schemas.schedules import CronSchedule
+
+    try:
+        CronSchedule(cron=cron, timezone=timezone or "UTC")
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise ServeError(f"--schedule {cron!r}: {first['msg'].removeprefix('Value error, ')}") from None
+
+
+def config_parameter(config_path: Path | None) -> dict:
+    """The experiment config as a flow parameter (JSON, YAML names): the run form's starting values."""
+    from grpo.config import load_config
+
+    return load_config(config_path or DEFAULT_CONFIG).model_dump(mode="json", by_alias=True)
+
+
+def sweep_available() -> bool:
+    return SWEEP_FILE.is_file()
+
+
+def build_deployments(
+    name: str = "local",
+    config_path: Path | None = None,
+    schedule: str | None = None,
+    schedule_flow: str | None = None,
+    timezone: str | None = None,
+) -> list:
+    """The runner deployments ``grpo serve`` serves: ``grpo-pipeline/<name>`` and, when flows/sweep.py exists,
+    ``grpo-sweep/<name>``; ``schedule`` (cron) goes to ``schedule_flow`` (default: the sweep if there is one)."""
+    config = config_parameter(config_path)
+    source = config_path or DEFAULT_CONFIG.relative_to(REPO)
+    target = schedule_flow or ("sweep" if sweep_available() else "pipeline")
+    if target == "sweep" and not sweep_available():
+        raise ServeError(f"--schedule-flow sweep: {SWEEP_FILE.relative_to(REPO)} does not exist")
+    if schedule is not None:
+        check_cron(schedule, timezone)
+
+    def schedule_for(flow_kind: str) -> dict:
+        if schedule is None or target != flow_kind:
+            return {}
+        return {"cron": schedule, **({"timezone": timezone} if timezone else {})}
+
+    from prefect.types.entrypoint import EntrypointType
+
+    from flows.pipeline import grpo_pipeline
+
+    # flows is an installed package: entrypoints by module path run the same code whatever the working directory.
+    module = {"entrypoint_type": EntrypointType.MODULE_PATH}
+    deployments = [grpo_pipeline.to_deployment(
+        name=name, parameters={"config": config, "resume": False}, tags=["grpo", "served"], **module,
+        description=f"GRPO pipeline served by `grpo serve`; the form starts from {source}.",
+        **schedule_for("pipeline"))]
+    if sweep_available():
+        from flows.sweep import grpo_sweep
+
+        deployments.append(grpo_sweep.to_deployment(
+            name=name, parameters={"config": config, **SWEEP_PARAMETERS}, tags=["grpo", "served", "sweep"], **module,
+            description="GRPO sweep served by `grpo serve`: one pipeline run per trial of `space`.",
+            **schedule_for("sweep")))
+    return deployments
+
+
+def serve(deployments: list, limit: int | None = None, echo=print) -> None:
+    """Serve until interrupted; the deployments' schedules are paused when serving stops."""
+    import prefect
+
+    for d in deployments:
+        when = f", schedule {d.schedules[0].schedule.cron}" if d.schedules else ""
+        echo(f"serving {d.flow_name}/{d.name}{when}")
+    prefect.serve(*deployments, limit=limit, print_starting_message=False)
+
+
+# ---------------------------------------------------------------- grpo deploy
+
+
+def _patch_worker_lookup() -> None:
+    """Prefect 3.8.8's ``prefect deploy`` lists the pool's online workers after creating each deployment and sends
+    ``"offset": null, "limit": null``; FastAPI 0.154 (what this project's pin resolves to) no longer turns an explicit
+    null into the parameter's default and answers 422, so the CLI dies after the first deployment. Send the
+    server's defaults instead."""
+    from prefect.client.orchestration._work_pools.client import WorkPoolAsyncClient
+
+    original = WorkPoolAsyncClient.read_workers_for_work_pool
+    if getattr(original, "_grpo_patched", False):
+        return
+
+    async def read_workers_for_work_pool(self, work_pool_name, worker_filter=None, offset=None, limit=None):
+        from prefect.settings import PREFECT_API_DEFAULT_LIMIT
+
+        return await original(self, work_pool_name, worker_filter=worker_filter, offset=offset or 0,
+                              limit=limit if limit is not None else PREFECT_API_DEFAULT_LIMIT.value())
+
+    read_workers_for_work_pool._grpo_patched = True
+    WorkPoolAsyncClient.read_workers_for_work_pool = read_workers_for_work_pool
+
+
+def deployment_entries(prefect_file: Path) -> list[dict]:
+    try:
+        data = yaml.safe_load(prefect_file.read_text())
+    except FileNotFoundError:
+        raise ServeError(f"{prefect_file}: file not found") from None
+    except yaml.YAMLError as err:
+        raise ServeError(f"{prefect_file}: YAML syntax error: {str(err).splitlines()[0]}") from None
+    entries = (data or {}).get("deployments") or []
+    if not entries:
+        raise ServeError(f"{prefect_file}: no deployments")
+    return entries
+
+
+def check_deploy(prefect_file: Path, names: list[str] | None = None, check_pools: bool = True) -> list[str]:
+    """Check what ``prefect deploy`` needs before it runs: a server, every named deployment's entrypoint file and
+    work pool. Returns the deployment names to deploy (all of them by default)."""
+    import httpx
+
+    url = check_server()
+    entries = deployment_entries(prefect_file)
+    by_name = {e.get("name"): e for e in entries}
+    wanted = names or list(by_name)
+    for name in wanted:
+        entry = by_name.get(name.split("/")[-1])
+        if entry is None:
+            raise ServeError(f"{prefect_file}: no deployment named {name!r}; there are {', '.join(by_name)}")
+        path = Path(str(entry.get("entrypoint", "")).split(":")[0])
+        if not (Path.cwd() / path).is_file():
+            raise ServeError(f"deployment {name!r}: entrypoint {path} not found under {Path.cwd()} (deploy from the "
+                             "repository root)")
+        pool = (entry.get("work_pool") or {}).get("name")
+        if check_pools and pool and httpx.get(f"{url}/work_pools/{pool}", timeout=10).status_code == 404:
+            template = REPO / "infra" / "work-pools" / f"{pool}.json"
+            hint = f" --base-job-template {template.relative_to(REPO)}" if template.is_file() else ""
+            raise ServeError(f"deployment {name!r}: work pool {pool!r} does not exist; create it first: "
+                             f"prefect work-pool create {pool} --type process{hint}")
+    return wanted
+
+
+def prefect_deploy(prefect_file: Path, names: list[str] | None = None, extra: list[str] | None = None) -> int:
+    """``prefect --no-prompt deploy --prefect-file FILE --name ... [extra]`` in this process; its exit code."""
+    from prefect.cli import app
+
+    extra = list(extra or [])
+    # with --pool the deployments go to another pool than the file names; `prefect deploy` checks that one
+    wanted = check_deploy(prefect_file, names, check_pools=not {"--pool", "-p"} & set(extra))
+    _patch_worker_lookup()
+    argv = ["prefect", "--no-prompt", "deploy", "--prefect-file", str(prefect_file)]
+    for name in wanted:
+        argv += ["--name", name]
+    argv += extra
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        app()
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
+

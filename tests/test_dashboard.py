@@ -1,0 +1,209 @@
+"""The comparison dashboard against a real `mlflow server`: runs with realistic metric histories -> one HTML file."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import uuid
+
+import pytest
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from typer.testing import CliRunner
+
+from dashboards.comparison import DashboardError, build_dashboard, log_dashboard
+
+# One MLflow server for this module and test_browser_dashboard (a plugin's session fixture is shared; a fixture
+# imported into each module would start one server per module).
+pytest_plugins = ["tests.servers"]
+pytestmark = pytest.mark.slow
+
+STEPS = 20
+# name -> (learning_rate, extra metric families, final status)
+SWEEP_RUNS = {
+    "lr-1e-5": (1e-5, ("replay",), "FINISHED"),
+    "lr-3e-5": (3e-5, ("reroll", "balance"), "FINISHED"),
+    "lr-1e-4": (1e-4, ("async",), "FAILED"),
+}
+# Panels the sweep dashboard must draw (no run logs system metrics, so that panel is left out).
+SWEEP_PLOTS = ["panel-reward", "panel-eval", "panel-zero-adv", "panel-replay", "panel-reroll", "panel-balance",
+               "panel-async", "panel-step-time"]
+
+
+def _metrics(i: int, lr: float, families: tuple[str, ...], t0: int) -> list[Metric]:
+    """A GRPO-looking history: reward rising with noise, shrinking reward_std, zero-std groups, step time."""
+    out = []
+    for step in range(1, STEPS + 1):
+        ts = t0 + step * 1000
+        progress = 1 - math.exp(-step * lr * 4e3)
+        values = {
+            "reward": 0.2 + 0.6 * progress + 0.03 * math.sin(step + i),
+            "reward_std": 0.4 - 0.2 * progress,
+            "frac_reward_zero_std": 0.1 + 0.3 * progress,
+            "skipped_zero_adv_batches": float(step // 7),
+            "step_time": 1.5 + 0.1 * math.cos(step) + 0.2 * i,
+            "learning_rate": lr * (1 - step / STEPS),
+        }
+        if "replay" in families:
+            values |= {"replay_buffer_size": float(min(step * 2, 16)), "replay_buffer_replacements": float(step // 3)}
+        if "reroll" in families:
+            values |= {"reroll_injected": float(step % 3), "reroll_buffered": float(step % 4),
+                       "reroll_buffer_size": float(min(step, 8))}
+        if "balance" in families:
+            values |= {"balance/imbalance": 1.05 + 0.02 * math.sin(step), "balance/max_tokens": 900.0 + step,
+                       "balance/imbalance_unbalanced": 1.4 + 0.05 * math.cos(step)}
+        if "async" in families:
+            values |= {"async/staleness_mean": 0.5 + 0.1 * (step % 2), "async/staleness_max": float(1 + step % 2),
+                       "async/queue_wait_s": 0.05, "async/generate_s": 1.1, "async/train_s": 0.7}
+        out += [Metric(k, v, ts, step) for k, v in values.items()]
+    acc_before = 0.30
+    acc_after = acc_before + 0.1 * (i + 1)
+    out += [Metric("eval/accuracy_before", acc_before, t0, 0), Metric("eval/pass_at_8_before", 0.5, t0, 0),
+            Metric("eval/accuracy_after", acc_after, t0 + 30_000, STEPS),
+            Metric("eval/pass_at_8_after", min(1.0, acc_after + 0.2), t0 + 30_000, STEPS)]
+    return out
+
+
+def make_experiment(uri: str) -> dict:
+    """An experiment with a sweep parent, its three child runs and one unrelated baseline run; returns ids/names."""
+    client = MlflowClient(uri)
+    name = f"dashboard-{uuid.uuid4().hex[:8]}"
+    exp_id = client.create_experiment(name)
+    t0 = int(time.time() * 1000) - 3_600_000
+    parent = client.create_run(exp_id, run_name="sweep-lr", tags={"grpo.sweep": "lr"}, start_time=t0)
+    children = {}
+    for i, (run_name, (lr, families, status)) in enumerate(SWEEP_RUNS.items()):
+        run = client.create_run(exp_id, run_name=run_name, start_time=t0 + i * 60_000,
+                                tags={"mlflow.parentRunId": parent.info.run_id})
+        params = {"grpo.learning_rate": str(lr), "grpo.num_generations": "4" if i < 2 else "8",
+                  "model.name": "tiny", "seed": "0"}
+        client.log_batch(run.info.run_id, metrics=_metrics(i, lr, families, t0),
+                         params=[Param(k, v) for k, v in params.items()], tags=[RunTag("grpo.run_dir", f"/r/{i}")])
+        client.set_terminated(run.info.run_id, status, end_time=t0 + i * 60_000 + 754_000)
+        children[run_name] = run.info.run_id
+    client.set_terminated(parent.info.run_id, "FINISHED", end_time=t0 + 900_000)
+    baseline = client.create_run(exp_id, run_name="baseline-other", start_time=t0)
+    client.log_batch(baseline.info.run_id, metrics=[Metric("reward", 0.1, t0, s) for s in (1, 2)],
+                     params=[Param("grpo.learning_rate", "5e-6")])
+    return {"experiment": name, "experiment_id": exp_id, "sweep": parent.info.run_id, "children": children,
+            "baseline": baseline.info.run_id}
+
+
+@pytest.fixture(scope="module")
+def experiment(mlflow_server):
+    return make_experiment(mlflow_server.uri)
+
+
+def plot_div_ids(page: str) -> list[str]:
+    return re.findall(r'<div id="([^"]+)" class="plotly-graph-div"', page)
+
+
+def plot_traces(page: str) -> dict[str, list[dict]]:
+    """div id -> the traces passed to its ``Plotly.newPlot`` (the layout's template has trace-like entries too)."""
+    decoder = json.JSONDecoder()
+    out = {}
+    for m in re.finditer(r'Plotly\.newPlot\(\s*"([^"]+)",\s*', page):
+        out[m.group(1)], _ = decoder.raw_decode(page, m.end())
+    return out
+
+
+def test_sweep_dashboard_is_one_self_contained_html(tmp_path, mlflow_server, experiment):
+    out = build_dashboard(mlflow_server.uri, experiment["experiment"], experiment["sweep"],
+                          out=tmp_path / "sub" / "sweep.html")
+    page = out.read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    # Self-contained: plotly.js inlined once, nothing loaded from elsewhere.
+    assert not re.search(r"<script[^>]*\bsrc=", page), "external script"
+    assert not re.search(r'<link[^>]*rel="stylesheet"', page)
+    assert page.count("<script charset=\"utf-8\">") == 1 and len(page) > 1_000_000
+    # Says what it shows and when it was generated.
+    assert "GRPO sweep sweep-lr" in page and experiment["sweep"] in page and experiment["experiment"] in page
+    assert re.search(r'id="generated-at">generated \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC', page)
+    # Only the sweep's children.
+    for name in SWEEP_RUNS:
+        assert name in page
+    assert "baseline-other" not in page
+
+    assert plot_div_ids(page) == SWEEP_PLOTS
+    assert 'id="skipped-panels"' in page and "System" in page[page.index('id="skipped-panels"'):]
+    # Traces: reward + reward_std per run, eval before/after bars, one line per (metric, run that logged it).
+    traces = plot_traces(page)
+    counts = {div: [t["type"] for t in data] for div, data in traces.items()}
+    assert counts == {"panel-reward": ["scatter"] * 6, "panel-eval": ["bar"] * 2, "panel-zero-adv": ["scatter"] * 6,
+                      "panel-replay": ["scatter"] * 2, "panel-reroll": ["scatter"] * 3,
+                      "panel-balance": ["scatter"] * 3, "panel-async": ["scatter"] * 5,
+                      "panel-step-time": ["scatter"] * 3}
+    reward = [t for t in traces["panel-reward"] if t["yaxis"] == "y"]
+    assert [t["name"] for t in reward] == list(SWEEP_RUNS) and all(len(t["x"]) == STEPS for t in reward)
+    assert traces["panel-eval"][1]["x"] == list(SWEEP_RUNS) and traces["panel-eval"][1]["y"] == pytest.approx(
+        [0.4, 0.5, 0.6])
+
+    table = page[page.index('<table id="final-metrics"'):page.index("</table>")]
+    header = re.findall(r"<th[^>]*>([^<]*)</th>", table)
+    # Only the params that differ; model.name and seed are the same everywhere.
+    assert header == ["run", "status", "grpo.learning_rate", "grpo.num_generations", "steps", "final reward",
+                      "eval accuracy before", "eval accuracy after", "pass@k after", "wall time"]
+    rows = re.findall(r"<tr>(.*?)</tr>", table[table.index("<tbody>"):], re.S)
+    assert len(rows) == 3
+    cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in rows]
+    first = cells[0]
+    assert "lr-1e-5" in first[0] and first[1] == "FINISHED" and first[2] == "1e-05" and first[3] == "4"
+    assert first[4] == "20" and first[6] == "0.3" and first[7] == "0.4" and first[8] == "0.6 (k=8)"
+    assert first[9] == "12m 34s"
+    assert cells[2][1] == "FAILED"
+
+
+def test_experiment_dashboard_has_every_run(tmp_path, mlflow_server, experiment):
+    page = build_dashboard(mlflow_server.uri, experiment["experiment"], out=tmp_path / "exp.html").read_text()
+    for name in [*SWEEP_RUNS, "baseline-other", "sweep-lr"]:
+        assert name in page
+    assert f"GRPO experiment {experiment['experiment']}" in page
+    assert plot_div_ids(page)[0] == "panel-reward"
+
+
+def test_unknown_experiment_lists_existing_ones(tmp_path, mlflow_server, experiment):
+    with pytest.raises(ValueError, match=r"unknown MLflow experiment 'nope-xyz'; existing experiments: .*"
+                                         + re.escape(repr(experiment["experiment"]))):
+        build_dashboard(mlflow_server.uri, "nope-xyz", out=tmp_path / "x.html")
+    empty = f"empty-{uuid.uuid4().hex[:6]}"
+    MlflowClient(mlflow_server.uri).create_experiment(empty)
+    with pytest.raises(ValueError, match="has no runs"):
+        build_dashboard(mlflow_server.uri, empty, out=tmp_path / "x.html")
+    with pytest.raises(ValueError, match="has no child runs"):  # a run that is nobody's parent
+        build_dashboard(mlflow_server.uri, experiment["experiment"], experiment["baseline"], out=tmp_path / "x.html")
+    with pytest.raises(DashboardError, match="sweep run 'f00' not found"):
+        build_dashboard(mlflow_server.uri, experiment["experiment"], "f00", out=tmp_path / "x.html")
+    assert not (tmp_path / "x.html").exists()
+
+
+def test_log_dashboard_uploads_to_the_sweep_run(tmp_path, mlflow_server, experiment):
+    out = build_dashboard(mlflow_server.uri, experiment["experiment"], experiment["sweep"], out=tmp_path / "d.html")
+    client = MlflowClient(mlflow_server.uri)
+    assert log_dashboard(client, experiment["sweep"], out) == "dashboard/d.html"
+    assert [a.path for a in client.list_artifacts(experiment["sweep"], "dashboard")] == ["dashboard/d.html"]
+    local = client.download_artifacts(experiment["sweep"], "dashboard/d.html", str(tmp_path / "dl"))
+    assert open(local).read() == out.read_text()
+
+
+def test_cli(tmp_path, mlflow_server, experiment):
+    from grpo.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "cli.html"
+    ok = runner.invoke(app, ["dashboard", "--experiment", experiment["experiment"], "--sweep", experiment["sweep"],
+                             "--out", str(out), "--tracking-uri", mlflow_server.uri])
+    assert ok.exit_code == 0, ok.output
+    assert out.is_file() and str(out) in ok.stdout
+    bad = runner.invoke(app, ["dashboard", "--experiment", "no-such-exp", "--out", str(tmp_path / "bad.html"),
+                              "--tracking-uri", mlflow_server.uri])
+    assert bad.exit_code == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: unknown MLflow experiment 'no-such-exp'"), bad.stderr
+    assert not (tmp_path / "bad.html").exists()
+    # The default store is <cwd>/mlflow.db: a missing one is an error, not a new empty database.
+    missing = runner.invoke(app, ["dashboard", "--experiment", "x", "--out", str(tmp_path / "m.html"),
+                                  "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"])
+    assert missing.exit_code == 2 and "no MLflow store at" in missing.stderr
+    assert not (tmp_path / "none.db").exists()

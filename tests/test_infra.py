@@ -1,0 +1,410 @@
+"""infra/: deployment files parse and agree with the code; against a real `prefect server start` on 127.0.0.1 the
+work pools and deployments are created with their schedule, a real process worker runs the pipeline deployment,
+and `grpo serve` serves the flows (and refuses without a server).
+
+One Prefect server (own PREFECT_HOME in a temp dir) is shared by the module's server tests; every process they start
+is stopped by them.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import MICRO, REPO
+from tests.servers import free_port
+
+INFRA = REPO / "infra"
+BIN = Path(sys.executable).parent
+POOLS = INFRA / "work-pools"
+TINY = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+GPU_PRESET = yaml.safe_load((REPO / "configs" / "qwen2.5-0.5b-gsm8k.yaml").read_text())
+
+
+def prefect_yaml() -> dict:
+    return yaml.safe_load((INFRA / "prefect.yaml").read_text())
+
+
+def deployments_by_name() -> dict[str, dict]:
+    return {d["name"]: d for d in prefect_yaml()["deployments"]}
+
+
+def flow_params(entrypoint: str) -> list[str]:
+    """Parameter names of the flow function at ``path:function``, read without importing it (torch is slow)."""
+    path, func = entrypoint.split(":")
+    tree = ast.parse((REPO / path).read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == func)
+    return [a.arg for a in fn.args.args + fn.args.kwonlyargs]
+
+
+# ---------------------------------------------------------------- files
+
+
+def test_prefect_yaml_deployments_point_at_real_flows_pools_and_presets():
+    from prefect.cli.deploy._models import PrefectYamlModel
+
+    from grpo.config import config_from_dict
+    from grpo.serve import SWEEP_PARAMETERS
+    from grpo.sweep_space import expand_space
+
+    data = prefect_yaml()
+    model = PrefectYamlModel.model_validate(data)  # the model `prefect deploy` loads the file with
+    assert [d.name for d in model.deployments] == ["default", "gpu", "nightly"]
+    deployments = deployments_by_name()
+    for name, d in deployments.items():
+        assert d["entrypoint"] and d["work_pool"]["name"] and isinstance(d["parameters"], dict), name
+        assert (POOLS / f"{d['work_pool']['name']}.json").is_file(), name
+        assert set(d["parameters"]) <= set(flow_params(d["entrypoint"])), name
+        assert "config" in d["parameters"], name
+
+    default, gpu, nightly = deployments["default"], deployments["gpu"], deployments["nightly"]
+    assert default["entrypoint"] == gpu["entrypoint"] == "flows/pipeline.py:grpo_pipeline"
+    assert (default["work_pool"]["name"], gpu["work_pool"]["name"]) == ("cpu-pool", "gpu-pool")
+    assert default["parameters"]["config"] == TINY  # the run form starts from configs/tiny.yaml
+    assert gpu["parameters"]["config"] == GPU_PRESET
+    config_from_dict(default["parameters"]["config"], "prefect.yaml default")
+    config_from_dict({**GPU_PRESET, "grpo": {**GPU_PRESET["grpo"], "use_vllm": False}}, "prefect.yaml gpu")
+
+    assert nightly["entrypoint"] == "flows/sweep.py:grpo_sweep"
+    assert {"config", "space", "max_concurrency", "metric", "direction"} <= set(flow_params(nightly["entrypoint"]))
+    assert nightly["parameters"]["config"] == TINY
+    assert {k: v for k, v in nightly["parameters"].items() if k != "config"} == SWEEP_PARAMETERS  # = grpo serve's
+    trials = expand_space(config_from_dict(TINY), nightly["parameters"]["space"])
+    assert len(trials) == 3
+    [schedule] = model.deployments[2].schedules
+    assert schedule.cron == "0 2 * * *" and schedule.timezone == "UTC"
+
+    # flow runs start in the repository: the deploying checkout (build step output), or $GRPO_HOME on GPU hosts
+    assert data["build"][0]["prefect.deployments.steps.run_shell_script"]["id"] == "repo"
+    assert data["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ repo.stdout }}"}}]
+    assert gpu["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $GRPO_HOME }}"}}]
+
+
+def test_work_pool_templates_declare_every_variable_they_use():
+    from prefect.utilities.templating import apply_values, find_placeholders
+    from prefect.workers.process import ProcessWorker
+
+    process_keys = set(ProcessWorker.get_default_base_job_template()["job_configuration"])
+    for name in ("cpu-pool", "gpu-pool", "k8s-gpu-job-template"):
+        template = json.loads((POOLS / f"{name}.json").read_text())
+        assert set(template) == {"job_configuration", "variables"}, name
+        declared = set(template["variables"]["properties"])
+        used = {p.name for p in find_placeholders(template["job_configuration"])}
+        assert used <= declared, (name, used - declared)
+        for var, schema in template["variables"]["properties"].items():
+            assert schema.get("title") and schema.get("description"), (name, var)  # the pool's UI form
+        if name != "k8s-gpu-job-template":
+            assert set(template["job_configuration"]) == process_keys, name
+
+    gpu = json.loads((POOLS / "gpu-pool.json").read_text())
+    assert gpu["job_configuration"]["env"]["CUDA_VISIBLE_DEVICES"] == "{{ cuda_visible_devices }}"
+    assert json.loads((POOLS / "cpu-pool.json").read_text())["job_configuration"]["env"]["CUDA_VISIBLE_DEVICES"] == ""
+
+    k8s = json.loads((POOLS / "k8s-gpu-job-template.json").read_text())
+    defaults = {k: v.get("default") for k, v in k8s["variables"]["properties"].items()}
+    job = apply_values(k8s["job_configuration"], defaults)["job_manifest"]
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert container["env"]["GRPO_HOME"] == container["workingDir"] == "/opt/grpo"
+    gpu_dockerfile = (INFRA / "docker" / "Dockerfile.gpu").read_text()
+    assert f"-t {container['image']} ." in gpu_dockerfile  # the image the Dockerfile's build command tags
+
+
+def test_dockerfiles_build_the_project_and_start_workers():
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert re.search(r'^gpu = \[.*"vllm', pyproject, re.M)
+    for name, base, pool in (("Dockerfile.cpu", "FROM python:3.11", "cpu-pool"),
+                             ("Dockerfile.gpu", "ARG CUDA_IMAGE=nvidia/cuda:", "gpu-pool")):
+        text = (INFRA / "docker" / name).read_text()
+        assert base in text, name
+        for src in re.findall(r"^COPY (.+) \S+$", text, re.M):
+            for part in src.split():
+                assert (REPO / part).exists(), (name, part)
+        cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
+        assert cmd[:3] == ["prefect", "worker", "start"] and cmd[cmd.index("--pool") + 1] == pool, name
+        assert "ENV" in text and "GRPO_HOME=/opt/grpo" in text and "WORKDIR /opt/grpo" in text, name
+    gpu = (INFRA / "docker" / "Dockerfile.gpu").read_text()
+    assert "pip install -e '.[gpu]'" in gpu and "whl/cu" in gpu and "torch.version.cuda" in gpu
+    assert "whl/cpu" in (INFRA / "docker" / "Dockerfile.cpu").read_text()
+
+
+def _compose_cli() -> list[str] | None:
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        return [docker, "compose"]
+    return [shutil.which("docker-compose")] if shutil.which("docker-compose") else None
+
+
+def test_compose_file_is_valid_and_complete(tmp_path):
+    compose = yaml.safe_load((INFRA / "compose.yaml").read_text())
+    services = compose["services"]
+    assert {"prefect-server", "prefect-db", "mlflow", "mlflow-db", "minio", "cpu-worker", "deploy"} <= set(services)
+    declared_volumes = set(compose["volumes"])
+    for name, service in services.items():
+        assert "image" in service or "build" in service, name
+        if "build" in service:
+            assert (INFRA / service["build"]["context"] / service["build"]["dockerfile"]).is_file(), name
+        for dep in service.get("depends_on", {}):
+            assert dep in services, (name, dep)
+        for volume in service.get("volumes", []):
+            assert volume.split(":")[0] in declared_volumes, (name, volume)
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), (name, port)  # nothing published beyond the machine by default
+    assert "postgresql+asyncpg://" in services["prefect-server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
+    assert any(a.startswith("--artifacts-destination=s3://") for a in services["mlflow"]["command"])
+    assert services["cpu-worker"]["environment"]["PREFECT_API_URL"] == "http://prefect-server:4200/api"
+
+    cli = _compose_cli()
+    if cli is None:
+        pytest.skip("no docker compose CLI: checked the YAML structure only")
+    path = INFRA / "compose.yaml"
+    if cli[-1].endswith("docker-compose"):  # Compose v1 predates the top-level `name` of the Compose spec
+        path = tmp_path / "compose.yaml"
+        path.write_text(re.sub(r"^name: .*\n", "", (INFRA / "compose.yaml").read_text(), flags=re.M))
+        cli = [*cli, "--project-directory", str(INFRA)]
+    result = subprocess.run([*cli, "-f", str(path), "config"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr  # `config` resolves and validates; it needs no Docker engine
+    resolved = yaml.safe_load(result.stdout)
+    assert resolved["services"]["cpu-worker"]["build"]["context"] == str(REPO)
+
+
+def test_accelerate_configs_load_as_accelerate_launch_reads_them():
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+    parser = launch_command_parser()
+    envs = {}
+    for name in ("ddp", "fsdp"):
+        path = str(INFRA / "accelerate" / f"{name}.yaml")
+        config = load_config_from_file(path)
+        assert config.num_processes == 2 and config.mixed_precision == "bf16" and not config.use_cpu
+        args, _, _ = _validate_launch_command(parser.parse_args(["--config_file", path, "-m", "grpo.cli", "run"]))
+        envs[name] = prepare_multi_gpu_env(args)
+    assert "ACCELERATE_USE_FSDP" not in envs["ddp"] and envs["ddp"]["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    fsdp = envs["fsdp"]
+    assert fsdp["ACCELERATE_USE_FSDP"] == "true" and fsdp["FSDP_VERSION"] == "2"
+    assert fsdp["FSDP_TRANSFORMER_CLS_TO_WRAP"] == Qwen2DecoderLayer.__name__
+
+
+# ---------------------------------------------------------------- a real Prefect server
+
+
+class PrefectServer:
+    def __init__(self, home: Path) -> None:
+        self.home, self.port = home, free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.log = home / "server.log"
+        self.proc: subprocess.Popen | None = None
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_API_URL": self.url,
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1", **extra}
+
+    def start(self, timeout: float = 120) -> PrefectServer:
+        import httpx
+
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
+                                          "--port", str(self.port)], env=self.env(), stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"prefect server not healthy after {timeout}s:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+    def get(self, path: str):
+        import httpx
+
+        response = httpx.get(f"{self.url}/{path}", timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    def post(self, path: str, body: dict):
+        import httpx
+
+        return httpx.post(f"{self.url}/{path}", json=body, timeout=30)
+
+    def run(self, *cmd: str, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(list(cmd), env=kw.pop("env", None) or self.env(), cwd=kw.pop("cwd", REPO),
+                              capture_output=True, text=True, timeout=timeout, **kw)
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    server = PrefectServer(tmp_path_factory.mktemp("prefect-home")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def deployed(prefect_server):
+    """The documented commands: work pools from infra/work-pools/, then `grpo deploy` of infra/prefect.yaml."""
+    s = prefect_server
+    pools = s.run("sh", "-c", " && ".join([
+        f"{BIN}/prefect work-pool create cpu-pool --type process --base-job-template "
+        "infra/work-pools/cpu-pool.json --overwrite",
+        f"{BIN}/prefect work-pool create gpu-pool --type process --base-job-template "
+        "infra/work-pools/gpu-pool.json --overwrite",
+        f"{BIN}/prefect work-pool set-concurrency-limit gpu-pool 1"]))
+    assert pools.returncode == 0, pools.stdout + pools.stderr
+    result = s.run(str(BIN / "grpo"), "deploy")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+def test_deploy_creates_pools_and_deployments_with_schedule(prefect_server, deployed):
+    s = prefect_server
+    for name in ("default", "gpu", "nightly"):
+        assert "successfully created" in deployed.stdout and f"Deploying {name}" in deployed.stdout
+
+    cpu_pool, gpu_pool = s.get("work_pools/cpu-pool"), s.get("work_pools/gpu-pool")
+    assert cpu_pool["type"] == gpu_pool["type"] == "process"
+    assert gpu_pool["concurrency_limit"] == 1
+    assert "cuda_visible_devices" in gpu_pool["base_job_template"]["variables"]["properties"]
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.utilities.asyncutils import run_coro_as_sync
+    from prefect.workers.process import ProcessJobConfiguration
+
+    with temporary_settings({PREFECT_API_URL: s.url}):  # how a process worker renders a flow run's job
+        def job_env(values: dict) -> dict:
+            return run_coro_as_sync(ProcessJobConfiguration.from_template_and_values(
+                gpu_pool["base_job_template"], values)).env
+
+        assert "CUDA_VISIBLE_DEVICES" not in job_env({})  # inherits the worker's: one worker per GPU
+        assert job_env({"cuda_visible_devices": "0,1"})["CUDA_VISIBLE_DEVICES"] == "0,1"
+        assert job_env({"env": {"CUDA_VISIBLE_DEVICES": "1"}})["CUDA_VISIBLE_DEVICES"] == "1"
+    k8s = json.loads((POOLS / "k8s-gpu-job-template.json").read_text())  # the server validates the template
+    created = s.post("work_pools/", {"name": "k8s-gpu", "type": "kubernetes", "base_job_template": k8s})
+    assert created.status_code == 201, created.text
+
+    default = s.get("deployments/name/grpo-pipeline/default")
+    assert default["work_pool_name"] == "cpu-pool" and default["entrypoint"] == "flows/pipeline.py:grpo_pipeline"
+    assert default["parameters"]["config"] == TINY and default["schedules"] == []
+    assert default["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+    schema = default["parameter_openapi_schema"]
+    assert schema["properties"]["config"]["$ref"] == "#/definitions/ExperimentConfig"
+    assert schema["definitions"]["GRPOSection"]["properties"]["loss_type"]["enum"][:3] == ["grpo", "dr_grpo", "dapo"]
+
+    gpu = s.get("deployments/name/grpo-pipeline/gpu")
+    assert gpu["work_pool_name"] == "gpu-pool" and gpu["parameters"]["config"] == GPU_PRESET
+    assert gpu["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == "{{ $GRPO_HOME }}"
+
+    nightly = s.get("deployments/name/grpo-sweep/nightly")
+    assert nightly["work_pool_name"] == "cpu-pool" and nightly["entrypoint"] == "flows/sweep.py:grpo_sweep"
+    [schedule] = nightly["schedules"]
+    assert schedule["active"] and schedule["schedule"]["cron"] == "0 2 * * *"
+    assert schedule["schedule"]["timezone"] == "UTC"
+    assert set(nightly["parameters"]) == {"config", "space", "max_concurrency", "metric", "direction"}
+
+
+@pytest.mark.slow
+def test_process_worker_runs_a_pipeline_flow_run(prefect_server, deployed, tmp_path):
+    """A flow run of grpo-pipeline/default created through the API (as the UI's Run button does), picked up by a
+    real `prefect worker start --pool cpu-pool` process, runs the micro experiment in the repository to the end."""
+    from grpo.config import load_config
+
+    s = prefect_server
+    cfg = load_config(MICRO, [f"output_dir={tmp_path / 'runs'}", "tracking.backend=none", "evaluation.enabled=false",
+                              "grpo.max_steps=2", "grpo.logging_steps=1", "grpo.save_steps=2",
+                              "model.warm_start.steps=10"])
+    deployment = s.get("deployments/name/grpo-pipeline/default")
+    created = s.post(f"deployments/{deployment['id']}/create_flow_run",
+                     {"parameters": {"config": cfg.model_dump(mode="json", by_alias=True), "run_name": "by-worker"}})
+    assert created.status_code == 201, created.text
+    flow_run_id = created.json()["id"]
+
+    worker = s.run(str(BIN / "prefect"), "worker", "start", "--pool", "cpu-pool", "--run-once", "--name",
+                   "test-worker", cwd=tmp_path, timeout=300)
+    flow_run = s.get(f"flow_runs/{flow_run_id}")
+    log = worker.stdout[-4000:] + worker.stderr[-4000:]
+    assert worker.returncode == 0, log
+    assert flow_run["state"]["type"] == "COMPLETED", (flow_run["state"], log)
+    logs = s.post("logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}).json()
+    assert any("set_working_directory" in entry["message"] for entry in logs), [e["message"] for e in logs][:20]
+    summary = json.loads((tmp_path / "runs" / "by-worker" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["prefect_flow_run_id"] == flow_run_id
+
+
+@pytest.mark.slow
+def test_grpo_serve_refuses_without_a_server(prefect_server, tmp_path):
+    s = prefect_server
+    env = {k: v for k, v in s.env().items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "empty-home")  # no profile with an API URL either
+    for run_env, fragment in ((env, "PREFECT_API_URL is not set"),
+                              (s.env(PREFECT_API_URL=f"http://127.0.0.1:{free_port()}/api"), "no Prefect server at")):
+        result = s.run(str(BIN / "grpo"), "serve", env=run_env, cwd=tmp_path, timeout=120)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+        assert fragment in lines[0] and "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.slow
+def test_grpo_serve_serves_pipeline_and_scheduled_sweep(prefect_server, tmp_path):
+    from grpo.serve import SWEEP_PARAMETERS
+
+    s = prefect_server
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(BIN / "grpo"), "serve", "--schedule", "30 4 * * *", "--name", "served"],
+                                env=s.env(), cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while True:  # the runner registers both deployments when it starts
+            served = s.post("deployments/filter", {"deployments": {"name": {"any_": ["served"]}}, "limit": 5}).json()
+            if len(served) == 2:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        pipeline = s.get("deployments/name/grpo-pipeline/served")
+        sweep = s.get("deployments/name/grpo-sweep/served")
+        assert "serving grpo-sweep/served, schedule 30 4 * * *" in log.read_text()
+        assert pipeline["work_pool_name"] is None and pipeline["entrypoint"] == "flows.pipeline.grpo_pipeline"
+        assert pipeline["parameters"]["config"]["grpo"]["max_steps"] == TINY["grpo"]["max_steps"]
+        assert pipeline["schedules"] == []
+        [schedule] = sweep["schedules"]
+        assert schedule["schedule"]["cron"] == "30 4 * * *" and schedule["active"]
+        assert {k: v for k, v in sweep["parameters"].items() if k != "config"} == SWEEP_PARAMETERS
+        assert not sweep["paused"]
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert s.get("deployments/name/grpo-sweep/served")["paused"]  # serving stopped: no schedule fires into nothing
+

@@ -1,0 +1,278 @@
+"""Sweeps: search-space expansion (no servers), and a real 4-trial sweep on Prefect (prefect_test_harness) and a real
+`mlflow server`: nested child runs, one trial failing at runtime, at most 2 trials at once, dashboard, best model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from mlflow import MlflowClient
+
+from grpo.config import load_config
+from grpo.rewards import available_rewards, register_reward
+from grpo.sweep_space import SpaceError, check_path, expand_space, load_space, trial_overrides
+from tests.conftest import MICRO, micro_overrides
+from tests.servers import mlflow_server  # noqa: F401 - session fixture
+
+BOOM = "sweep_test_boom"
+
+
+def _boom(completions, **kwargs):
+    """Raises: a trial using it passes config validation and fails during training."""
+    raise RuntimeError("sweep_test_boom: this reward always fails")
+
+
+if BOOM not in available_rewards():
+    register_reward(BOOM)(_boom)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return load_config(MICRO)
+
+
+# ---------------------------------------------------------------- space expansion
+
+
+def test_grid_is_the_product_last_field_fastest(base):
+    trials = expand_space(base, {"grid": {"grpo.learning_rate": [1e-4, 3e-4], "grpo.beta": [0.0, 0.04]}})
+    assert [o for o, _ in trials] == [
+        {"grpo.learning_rate": 1e-4, "grpo.beta": 0.0}, {"grpo.learning_rate": 1e-4, "grpo.beta": 0.04},
+        {"grpo.learning_rate": 3e-4, "grpo.beta": 0.0}, {"grpo.learning_rate": 3e-4, "grpo.beta": 0.04}]
+    for overrides, cfg in trials:
+        assert (cfg.grpo.learning_rate, cfg.grpo.beta) == (overrides["grpo.learning_rate"], overrides["grpo.beta"])
+        assert cfg.model.tiny.hidden_size == base.model.tiny.hidden_size  # everything else from the base
+    assert base.grpo.beta == 0.0 and base.grpo.learning_rate == 1e-4  # the base is not modified
+
+
+RANDOM = {"random": {"n_trials": 6, "seed": 0, "params": {
+    "grpo.learning_rate": {"loguniform": [1e-5, 1e-3]}, "grpo.temperature": {"uniform": [0.7, 1.2]},
+    "grpo.num_generations": {"choice": [4, 8]}, "model.warm_start.steps": {"int": [100, 300]}}}}
+
+
+def test_random_is_deterministic_for_a_seed_and_within_bounds(base):
+    first = [o for o, _ in expand_space(base, RANDOM)]
+    assert first == [o for o, _ in expand_space(base, json.loads(json.dumps(RANDOM)))]
+    other = json.loads(json.dumps(RANDOM))
+    other["random"]["seed"] = 1
+    assert first != [o for o, _ in expand_space(base, other)]
+    assert len(first) == 6
+    for o in first:
+        assert 1e-5 <= o["grpo.learning_rate"] <= 1e-3 and 0.7 <= o["grpo.temperature"] <= 1.2
+        assert o["grpo.num_generations"] in (4, 8) and 100 <= o["model.warm_start.steps"] <= 300
+        assert isinstance(o["model.warm_start.steps"], int)
+    assert len({o["grpo.learning_rate"] for o in first}) == 6
+
+
+def test_grid_and_random_cross(base):
+    space = {"grid": {"grpo.beta": [0.0, 0.04]},
+             "random": {"n_trials": 3, "seed": 7, "params": {"grpo.temperature": {"uniform": [0.7, 1.2]}}}}
+    trials = trial_overrides(space)
+    assert len(trials) == 6 and [t["grpo.beta"] for t in trials] == [0.0] * 3 + [0.04] * 3
+    assert [t["grpo.temperature"] for t in trials[:3]] == [t["grpo.temperature"] for t in trials[3:]]
+
+
+@pytest.mark.parametrize("space, fragments", [
+    ({"grid": {"grpo.learnin_rate": [1e-4]}}, ["grpo.learnin_rate: unknown config field",
+                                               "did you mean 'grpo.learning_rate'"]),
+    ({"grid": {"grp.beta": [0.0]}}, ["grp.beta: unknown config field"]),
+    ({"grid": {"grpo.beta.x": [0.0]}}, ["grpo.beta.x: grpo.beta is a value, not a section"]),
+    ({"grid": {"grpo.beta": [0.0, -1.0]}}, ["trial 1 (grpo.beta=-1.0)", "grpo.beta: Input should be greater"]),
+    ({"grid": {"grpo.learning_rate": [1e-4], "grpo.num_generations": [4, 5]}},
+     ["trial 1 (grpo.learning_rate=0.0001, grpo.num_generations=5)", "grpo.num_generations (5)"]),
+    ({"random": {"n_trials": 3, "seed": 0, "params": {"grpo.reward_funcs": {"choice": [["exact_match"], ["nope"]]}}}},
+     ["grpo.reward_funcs: unknown reward 'nope'", "trial "]),
+    ({"grid": {"output_dir": ["elsewhere"]}}, ["output_dir: output_dir is set by the sweep"]),
+    ({"random": {"n_trials": 2, "params": {"grpo.beta": {"normal": [0, 1]}}}},
+     ["space.random.params.grpo.beta: unknown distribution 'normal'"]),
+    ({"random": {"n_trials": 2, "params": {"grpo.learning_rate": {"loguniform": [0, 1e-3]}}}},
+     ["space.random.params.grpo.learning_rate: loguniform needs 0 < low < high"]),
+    ({"grid": {"grpo.beta": []}}, ["space.grid.grpo.beta: expected a non-empty list"]),
+    ({"grids": {}}, ["space.grids: unknown key (did you mean 'grid'?)"]),
+    ({"grid": {"grpo.beta": [0.0]}, "random": {"n_trials": 1, "params": {"grpo.beta": {"uniform": [0, 1]}}}},
+     ["grpo.beta is in both grid and random"]),
+])
+def test_invalid_space_names_the_trial_and_field(base, space, fragments):
+    with pytest.raises(SpaceError) as err:
+        expand_space(base, space)
+    assert isinstance(err.value, ValueError)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_paths_cover_aliases_and_dict_fields(base):
+    assert check_path("async.max_staleness") == ["async", "max_staleness"]
+    (overrides, cfg), = expand_space(base, {"grid": {"grpo.extra.adam_beta1": [0.8], "async.max_staleness": [3]}})
+    assert cfg.grpo.extra == {"adam_beta1": 0.8} and cfg.async_.max_staleness == 3
+    assert overrides == {"grpo.extra.adam_beta1": 0.8, "async.max_staleness": 3}
+
+
+def test_load_space_yaml_and_json(tmp_path, base):
+    (tmp_path / "s.yaml").write_text("grid:\n  grpo.learning_rate: [1e-4, 3.0e-4]\n")
+    (tmp_path / "s.json").write_text(json.dumps(RANDOM))
+    trials = expand_space(base, load_space(tmp_path / "s.yaml"))
+    assert [o["grpo.learning_rate"] for o, _ in trials] == [1e-4, 3e-4]  # YAML's "1e-4" string is read as a number
+    assert load_space(tmp_path / "s.json") == RANDOM
+    (tmp_path / "bad.yaml").write_text("random:\n  n_trials: 0\n  params: {grpo.beta: {uniform: [0, 1]}}\n")
+    with pytest.raises(SpaceError, match=r"bad.yaml: space.random.n_trials: expected an integer >= 1"):
+        load_space(tmp_path / "bad.yaml")
+    with pytest.raises(SpaceError, match="space file not found"):
+        load_space(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("space_text, fragment", [
+    ("grid:\n  grpo.learnin_rate: [1.0e-4]\n", "grpo.learnin_rate: unknown config field"),
+    ("grid:\n  grpo.beta: [0.0, -1.0]\n", "trial 1 (grpo.beta=-1.0): grpo.beta"),
+    ("grid: [1\n", "not valid YAML"),
+])
+def test_cli_bad_space_is_one_line_exit_2(tmp_path, space_text, fragment):
+    (tmp_path / "space.yaml").write_text(space_text)
+    result = subprocess.run([sys.executable, "-m", "grpo.cli", "sweep", "--config", str(MICRO), "--space",
+                             str(tmp_path / "space.yaml"), "--set", f"output_dir={tmp_path / 'runs'}"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- a real sweep
+
+
+@pytest.fixture(scope="module")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def prefect_api(path: str, body: dict) -> list[dict]:
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    response = httpx.post(f"{PREFECT_API_URL.value().rstrip('/')}/{path}", json=body, timeout=30)
+    response.raise_for_status()
+    return response.json()
+
+
+def max_overlap(intervals: list[tuple[int, int]]) -> int:
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda x: (x[0], x[1]))
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
+@pytest.mark.slow
+def test_sweep_of_four_trials_two_at_a_time(tmp_path, prefect_server, mlflow_server):  # noqa: F811
+    from flows.sweep import grpo_sweep
+
+    experiment = "sweep-tests"
+    cfg = load_config(MICRO, micro_overrides(tmp_path, **{
+        "tracking.backend": "mlflow", "tracking.tracking_uri": mlflow_server.uri,
+        "tracking.experiment_name": experiment, "tracking.log_system_metrics": "false",
+        "grpo.max_steps": 4, "grpo.logging_steps": 2, "grpo.save_steps": 100, "model.warm_start.steps": 20,
+        "evaluation.before_training": "false", "evaluation.num_prompts": 16, "evaluation.pass_k": 0}))
+    space = {"grid": {"grpo.reward_funcs": [["exact_match"], ["exact_match", "digits_format"], ["exact_match", BOOM],
+                                            ["last_number_match"]]}}
+    model_name = f"sweep-test-{tmp_path.name}"
+    result = grpo_sweep(config=cfg, space=space, max_concurrency=2, sweep_name="sw", registered_model_name=model_name)
+
+    records = result["trials"]
+    assert [r["status"] for r in records] == ["completed", "completed", "failed", "completed"], records
+    assert BOOM in records[2]["error"] and result["completed"] == 3 and result["failed"] == 1
+    assert len({r["run_dir"] for r in records}) == 4
+    assert all(r["run_dir"].startswith(str(tmp_path / "sw")) for r in records)
+
+    # MLflow: one parent run, four children nested under it (the failed one FAILED), distinct names.
+    client = MlflowClient(mlflow_server.uri)
+    parent = client.get_run(result["mlflow_run_id"])
+    assert parent.data.tags["grpo.run_type"] == "sweep" and parent.info.status == "FINISHED", parent.info
+    assert json.loads(parent.data.params["sweep.space"]) == space
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert len(children) == 4 and len({c.info.run_name for c in children}) == 4
+    by_trial = {int(c.data.tags["grpo.sweep.trial"]): c for c in children}
+    assert {i: c.info.status for i, c in by_trial.items()} == {0: "FINISHED", 1: "FINISHED", 2: "FAILED",
+                                                                3: "FINISHED"}, [c.info for c in children]
+    assert BOOM in by_trial[2].data.tags["grpo.sweep.error"]
+    assert {r["mlflow_run_id"] for r in records} == {c.info.run_id for c in children}
+
+    # At most two trials at once (and two did run together).
+    intervals = [(c.info.start_time, c.info.end_time) for c in children]
+    assert all(e is not None and e > s for s, e in intervals), intervals
+    assert max_overlap(intervals) == 2, intervals
+
+    # Parent artifacts: space, results, dashboard.
+    top = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"sweep", "dashboard"} <= top, (top, result["dashboard"])
+    sweep_files = {a.path for a in client.list_artifacts(parent.info.run_id, "sweep")}
+    assert {"sweep/space.json", "sweep/results.json", "sweep/results_table.json"} <= sweep_files
+    dashboard = [a.path for a in client.list_artifacts(parent.info.run_id, "dashboard")]
+    assert dashboard == [result["dashboard"]["artifact"]] and result["dashboard"]["kind"] == "comparison", \
+        result["dashboard"]
+
+    # Best trial by eval_accuracy_after (maximize; ties -> earliest) registered with alias "best".
+    scores = {i: c.data.metrics["eval/accuracy_after"] for i, c in by_trial.items() if i != 2}
+    best_trial = max(sorted(scores), key=lambda i: scores[i])
+    assert result["best"]["trial"] == best_trial, (scores, records)
+    version = client.get_model_version_by_alias(model_name, "best")
+    assert version.run_id == by_trial[best_trial].info.run_id
+    assert version.version == result["registered_model"]["version"]
+
+    # Prefect: the sweep's results table, and one pipeline subflow per trial (one failed).
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as pc:
+        runs = pc.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["grpo-pipeline"])), limit=50,
+                                 sort=FlowRunSort.EXPECTED_START_TIME_ASC)
+        sweep_run = pc.read_flow_run(result["prefect_flow_run_id"])
+    names = {r.name: r.state.type.value for r in runs if r.name.startswith("sw-t")}
+    assert names == {"sw-t000": "COMPLETED", "sw-t001": "COMPLETED", "sw-t002": "FAILED", "sw-t003": "COMPLETED"}, \
+        names
+    assert sweep_run.state.is_completed()
+    table = prefect_api("artifacts/filter", {"sort": "CREATED_DESC", "limit": 10, "offset": 0,
+                                             "artifacts": {"key": {"any_": ["sweep-results"]}}})
+    assert table and table[0]["flow_run_id"] == result["prefect_flow_run_id"]
+    rows = json.loads(table[0]["data"]) if isinstance(table[0]["data"], str) else table[0]["data"]
+    assert [row["status"] for row in rows] == ["completed", "completed", "failed", "completed"]
+
+
+@pytest.mark.slow
+def test_sweep_via_deployment_creates_linked_flow_runs(tmp_path, prefect_server, mlflow_server):  # noqa: F811
+    """Smoke path of ``use_deployment``: no worker serves the deployment here, so each trial's flow run is created
+    (with the trial's config, run name and MLflow nesting tags) and stays scheduled until ``trial_timeout``."""
+    from flows.pipeline import grpo_pipeline
+    from flows.sweep import SweepError, grpo_sweep
+
+    grpo_pipeline.to_deployment(name="sweep-smoke").apply()
+    cfg = load_config(MICRO, micro_overrides(tmp_path, **{
+        "tracking.backend": "mlflow", "tracking.tracking_uri": mlflow_server.uri,
+        "tracking.experiment_name": "sweep-deploy-tests", "tracking.log_system_metrics": "false"}))
+    with pytest.raises(SweepError, match="all 2 trials failed; first error: TimeoutError"):
+        grpo_sweep(config=cfg, space={"grid": {"grpo.learning_rate": [1e-4, 3e-4]}}, sweep_name="dep",
+                   use_deployment="grpo-pipeline/sweep-smoke", trial_timeout=0.5)
+    results = json.loads((tmp_path / "dep" / "results.json").read_text())
+    assert [r["status"] for r in results] == ["failed", "failed"]
+
+    runs = prefect_api("flow_runs/filter", {"sort": "EXPECTED_START_TIME_ASC", "limit": 20, "offset": 0,
+                                            "flow_runs": {"name": {"any_": ["dep-t000", "dep-t001"]}}})
+    assert sorted(r["name"] for r in runs) == ["dep-t000", "dep-t001"]
+    assert all(r["parent_task_run_id"] and r["deployment_id"] for r in runs)
+    parent = MlflowClient(mlflow_server.uri).search_runs(
+        [MlflowClient(mlflow_server.uri).get_experiment_by_name("sweep-deploy-tests").experiment_id],
+        filter_string="tags.`grpo.run_type` = 'sweep'")[0]
+    assert parent.info.status == "FAILED"
+    for r in sorted(runs, key=lambda r: r["name"]):
+        params = r["parameters"]
+        assert params["run_name"] == r["name"]
+        assert params["tracking_tags"]["mlflow.parentRunId"] == parent.info.run_id
+        assert params["config"]["output_dir"] == str(tmp_path / "dep")
+    assert {r["parameters"]["config"]["grpo"]["learning_rate"] for r in runs} == {1e-4, 3e-4}
+    assert {r["state_type"] for r in runs} == {"CANCELLED"}  # given up on: no worker picks them up later
