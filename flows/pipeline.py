@@ -84,6 +84,7 @@ def grpo_pipeline(
 
     tracker = tracker_from_config(config, run.path)
     mlflow_run_id = None
+    finished = False
     if tracker is not None:
         tags = {"prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": flow_run_name,
                 "prefect.deployment": _deployment_name(), "prefect.ui_url": _ui_url(flow_run_id),
@@ -127,11 +128,12 @@ def grpo_pipeline(
         if tracker is not None:
             _log_artifacts(tracker, config, run, data_dir, plan)
         create_markdown_artifact(key="grpo-run-summary", markdown=summarize_for_ui(summary), description="GRPO run")
+        finished = True
         return summary
     finally:
         if tracker is not None:
             _TRACKERS.pop(str(run.path), None)
-            tracker.close()
+            tracker.close(status="FINISHED" if finished else "FAILED")  # a failed pipeline is a FAILED MLflow run
 
 
 def mlflow_run_url(tracking_uri: str, experiment_id: str | None, run_id: str) -> str:
