@@ -51,6 +51,14 @@ class MetricsRecorder(TrainerCallback):
         self.path = path
         self.names: set[str] = set()
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        # A resumed run re-runs the steps after its checkpoint: drop what the killed attempt logged for them, so the
+        # file holds each step once.
+        if state.is_world_process_zero and self.path.is_file() and state.global_step > 0:
+            keep = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= state.global_step]
+            self.path.write_text("".join(line + "\n" for line in keep))
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or not state.is_world_process_zero:
             return
