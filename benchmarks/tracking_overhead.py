@@ -17,8 +17,11 @@ The variants run interleaved, the order flipping every round (A B, B A, A B, ...
 both alike; each reported figure is the median over rounds. The warm-started tiny models are built once, before any
 timing, in a temporary ``GRPO_CACHE_DIR`` shared by all rounds.
 
-Environment: ``BENCH_STEPS`` (60), ``BENCH_ROUNDS`` (3), ``BENCH_PIPELINE_ROUNDS`` (3), ``BENCH_PROFILE`` (1: when
-the overhead misses the target, cProfile the training thread's tracker calls and report the top functions).
+Environment: ``BENCH_STEPS`` (60), ``BENCH_ROUNDS`` (3), ``BENCH_PIPELINE_ROUNDS`` (3; 0 skips part 2),
+``BENCH_PROFILE`` (1: when the overhead misses the target, one more tracked run with cProfile on the tracker's work in
+the training thread and in the sender thread), ``BENCH_FLUSH_INTERVAL`` (1.0 s, the tracker's default) and
+``BENCH_SYSTEM_METRICS`` (1) to try other tracker settings, ``BENCH_SEED_CACHE`` (1: copy an identical, already built
+warm start from ``$GRPO_CACHE_DIR`` or ``.cache/grpo`` into the temporary cache instead of rebuilding it).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ STEPS = int(os.environ.get("BENCH_STEPS", "60"))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 PIPELINE_ROUNDS = int(os.environ.get("BENCH_PIPELINE_ROUNDS", "3"))
 PROFILE = os.environ.get("BENCH_PROFILE", "1") not in ("0", "", "false")
+FLUSH_INTERVAL = float(os.environ.get("BENCH_FLUSH_INTERVAL", "1.0"))  # MlflowTracker's default
+SYSTEM_METRICS = os.environ.get("BENCH_SYSTEM_METRICS", "1") not in ("0", "", "false")
 TARGET_PCT = 2.0
 _ORIGINAL_CACHE = os.environ.get("GRPO_CACHE_DIR")
 
@@ -130,7 +135,8 @@ def _tracking_overhead(root: Path) -> dict:
         call_us: list[float] = []
         bg: dict[str, list[tuple[float, float]]] = {"sender": [], "system": []}
         if tracking:
-            tracker = MlflowTracker(uri, run.path / "tracking_spool", log_system_metrics=True)
+            tracker = MlflowTracker(uri, run.path / "tracking_spool", log_system_metrics=SYSTEM_METRICS,
+                                    flush_interval=FLUSH_INTERVAL)
             run_id = tracker.start(run.path.name, "bench-tracking-overhead", params={"bench.steps": steps})
             inner = tracker.log_metrics
 
@@ -192,6 +198,8 @@ def _tracking_overhead(root: Path) -> dict:
     result = {
         "steps": STEPS,
         "rounds": ROUNDS,
+        "flush_interval_s": FLUSH_INTERVAL,
+        "system_metrics": SYSTEM_METRICS,
         "warm_start_build_s": round(warm_start_build_s, 1),
         "warm_start_copied_from": seeded_from,
         "metrics_per_log": rows["on"][0]["metrics_per_log"],
@@ -202,7 +210,7 @@ def _tracking_overhead(root: Path) -> dict:
         "target_met": overhead < TARGET_PCT,
         "off_per_step_ms_rounds": [round(row["per_step_s"] * 1000, 2) for row in rows["off"]],
         "on_per_step_ms_rounds": [round(row["per_step_s"] * 1000, 2) for row in rows["on"]],
-"overhead_pct_paired_median": round(statistics.median(
+        "overhead_pct_paired_median": round(statistics.median(
             _pct(a["per_step_s"], b["per_step_s"]) for a, b in zip(rows["on"], rows["off"])), 2),
         "overhead_pct_min": round(_pct(min(r["per_step_s"] for r in rows["on"]),
                                        min(r["per_step_s"] for r in rows["off"])), 2),
@@ -231,7 +239,7 @@ def _tracking_overhead(root: Path) -> dict:
         "sender_cpu_s": [round(row["sender_cpu_s"], 3) for row in rows["on"]],
         "sender_cpu_pct_of_train": round(statistics.median(row["sender_cpu_s"] / row["train_s"] * 100
                                                            for row in rows["on"]), 2),
-"system_metrics_cpu_s": [round(row["system_cpu_s"], 3) for row in rows["on"]],
+        "system_metrics_cpu_s": [round(row["system_cpu_s"], 3) for row in rows["on"]],
         "all_points_arrived": complete,
         "reward_points": [row["reward_points_mlflow"] for row in rows["on"]],
         "reward_points_expected": [row["reward_points_expected"] for row in rows["on"]],
@@ -434,6 +442,7 @@ def _pipeline_overhead(root: Path) -> dict:
     for name, fn in originals.items():
         setattr(progress_cls, name, timed_progress(fn))
 
+    flow_runs_before = _count_flow_runs()
     times: dict[str, list[float]] = {"prefect": [], "direct": []}
     train_s: dict[str, list[float]] = {"prefect": [], "direct": []}
     quiet_loggers = [logging.getLogger(n) for n in ("prefect", "prefect.flow_runs", "prefect.task_runs")]
@@ -457,6 +466,7 @@ def _pipeline_overhead(root: Path) -> dict:
             print(f"[tracking_overhead] pipeline round {r + 1}/{PIPELINE_ROUNDS} {kind}: {times[kind][-1]:.1f}s",
                   file=sys.stderr)
 
+    flow_runs = _count_flow_runs()
     for name, fn in originals.items():
         setattr(progress_cls, name, fn)
     pipeline.log_model, pipeline.tracker_from_config = real_log_model, real_tracker_from_config
@@ -475,7 +485,10 @@ def _pipeline_overhead(root: Path) -> dict:
         "prefect_server_start_s": round(first_flow_s - noop_flow_s, 2),
         "prefect_first_noop_flow_s": round(first_flow_s, 2),
         "prefect_noop_flow_s": round(noop_flow_s, 3),
-"train_s_difference": round(statistics.median(train_s["prefect"]) - statistics.median(train_s["direct"]), 2),
+        # flow runs per pipeline run (the pipeline and its subflows); each pays about prefect_noop_flow_s
+        "prefect_flow_runs_per_pipeline": (None if flow_runs is None or flow_runs_before is None
+                                           else (flow_runs - flow_runs_before) / PIPELINE_ROUNDS),
+        "train_s_difference": round(statistics.median(train_s["prefect"]) - statistics.median(train_s["direct"]), 2),
         "prefect_progress_artifact_calls_per_run": progress_calls[0] // max(PIPELINE_ROUNDS, 1),
         "prefect_progress_artifact_s_per_run": round(sum(progress_s) / max(PIPELINE_ROUNDS, 1), 2),
         "prefect_progress_artifact_ms_per_call": round(statistics.median(progress_s) * 1000, 1) if progress_s else None,
@@ -483,6 +496,16 @@ def _pipeline_overhead(root: Path) -> dict:
         "mlflow_tracker_start_s": [round(x, 2) for x in parts["tracker_start"]],
         "mlflow_tracker_close_s": [round(x, 2) for x in parts["tracker_close"]],
     }
+
+
+def _count_flow_runs() -> int | None:
+    try:
+        from prefect import get_client
+
+        with get_client(sync_client=True) as client:
+            return client.count_flow_runs()
+    except Exception:  # informational only
+        return None
 
 
 def main() -> dict:
@@ -496,7 +519,7 @@ def main() -> dict:
     started = time.perf_counter()
     load_before = [round(x, 2) for x in os.getloadavg()]
     tracking = _tracking_overhead(root)
-    pipeline = _pipeline_overhead(root)
+    pipeline = _pipeline_overhead(root) if PIPELINE_ROUNDS > 0 else None
     return {
         "tracking": tracking,
         "pipeline": pipeline,
