@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
@@ -16,7 +17,7 @@ from prefect.context import get_run_context
 
 import grpo.stages
 from flows.stages import PrefectProgress, eval_flow, plan_flow, prep_flow, summarize_for_ui
-from grpo.config import ExperimentConfig, flatten, load_config
+from grpo.config import ExperimentConfig, flatten, load_config, presets, resolve_config
 from grpo.experiment import write_summary
 from grpo.prep import load_prepared
 from grpo.runs import RunDir, open_run_dir
@@ -29,6 +30,10 @@ _TRACKERS: dict[str, MlflowTracker] = {}  # run dir -> tracker, shared by the su
 
 def default_config() -> ExperimentConfig:
     return load_config(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else ExperimentConfig()
+
+
+# The presets in configs/ as a closed choice, so the Prefect form shows a dropdown.
+Preset = Literal[tuple(presets())] if presets() else str  # type: ignore[valid-type]
 
 
 @flow(name="grpo-train")
@@ -66,13 +71,20 @@ def _ui_url(flow_run_id: str | None) -> str | None:
 
 @flow(name="grpo-pipeline", log_prints=True)
 def grpo_pipeline(
-    config: ExperimentConfig = default_config(), run_name: str | None = None, resume: bool = False,
-    tracking_tags: dict | None = None,
+    preset: Preset | None = None, config: ExperimentConfig = default_config(), overrides: list[str] | None = None,
+    run_name: str | None = None, resume: bool = False, tracking_tags: dict | None = None,
 ) -> dict:
     """Prepare data, plan, evaluate, train with GRPO and evaluate again, tracked in MLflow.
 
-    ``tracking_tags`` are added to the MLflow run's tags (a sweep sets ``mlflow.parentRunId`` to nest its trials).
+    Args:
+        preset: Start from this configs/ preset instead of the config form below.
+        config: The experiment (defaults from configs/tiny.yaml). Ignored when a preset is chosen.
+        overrides: key=value settings applied last, e.g. grpo.learning_rate=2e-4 (the CLI's --set).
+        run_name: Run directory and MLflow run name; a new name is generated when empty. Never overwritten.
+        resume: Continue an existing run directory from its last checkpoint, into the same MLflow run.
+        tracking_tags: Extra MLflow run tags (a sweep sets mlflow.parentRunId to nest its trials).
     """
+    config = resolve_config(config, preset, overrides)
     started = time.perf_counter()
     logger = get_run_logger()
     flow_run_id, flow_run_name, attempt = _flow_run_info()

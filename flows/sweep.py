@@ -39,7 +39,7 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
@@ -55,6 +55,7 @@ from grpo.tracking import SPOOL_DIRNAME, MlflowTracker, tracker_from_config, use
 
 BEST_ALIAS = "best"
 DIRECTIONS = ("maximize", "minimize")
+Direction = Literal["maximize", "minimize"]
 _DEPLOYMENT_LOCK = threading.Lock()  # run_deployment's subflow task keys come from an unlocked per-flow counter
 
 
@@ -318,14 +319,28 @@ def grpo_sweep(
     space: dict,
     max_concurrency: int = 2,
     metric: str = "eval_accuracy_after",
-    direction: str = "maximize",
+    direction: Direction = "maximize",
     sweep_name: str | None = None,
     use_deployment: str | None = None,
     registered_model_name: str | None = None,
     trial_timeout: float | None = None,
 ) -> dict:
     """Run one GRPO pipeline per trial of ``space`` (grid and/or random over dotted config fields) on top of
-    ``config``, at most ``max_concurrency`` at once, nested under one MLflow parent run; register the best model."""
+    ``config``, at most ``max_concurrency`` at once, nested under one MLflow parent run; register the best model.
+
+    Args:
+        config: The base experiment every trial starts from.
+        space: Search space over dotted config fields: {"grid": {"grpo.learning_rate": [1e-4, 2e-4]}} and/or
+            {"random": {"n_trials": 4, "seed": 0, "params": {"grpo.beta": {"uniform": [0, 0.1]}}}}.
+        max_concurrency: Trials running at once.
+        metric: Summary metric that picks the best trial (eval_accuracy_after, reward_last, ...).
+        direction: Whether the best trial has the largest or the smallest metric.
+        sweep_name: Sweep directory and MLflow parent run name; generated when empty. Never overwritten.
+        use_deployment: Run each trial as a run of this pipeline deployment (e.g. grpo-pipeline/gpu) on its work
+            pool instead of as a local subflow.
+        registered_model_name: MLflow registered model for the best trial (default: <config.name>-grpo), alias "best".
+        trial_timeout: Seconds a deployment trial may take before it counts as failed.
+    """
     logger = get_run_logger()
     if direction not in DIRECTIONS:
         raise ValueError(f"direction: {direction!r} is not one of {', '.join(DIRECTIONS)}")

@@ -13,9 +13,10 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass
@@ -92,18 +93,30 @@ class AsyncRolloutProducer:
         self._proc = ctx.Process(target=_worker, args=(child, model_dir, generation, seed, threads), daemon=True)
         self._proc.start()
         child.close()
+        # Sends go through one FIFO thread: a weight blob is larger than the pipe buffer, and a blocking send would
+        # stall the trainer until the generator finishes its current round -- serialising the two again.
+        self._outbox: queue.Queue = queue.Queue()
+        self._sender = threading.Thread(target=self._send_loop, daemon=True, name="rollout-producer-send")
+        self._sender.start()
         self._pending: dict[int, list[list[int]]] = {}
         self._done: dict[int, Rollout] = {}
         self.version = 0
 
+    def _send_loop(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self._conn.send(msg)
+            except (BrokenPipeError, OSError):  # the generator died; get() reports it
+                return
+
     def submit(self, round_id: int, prompt_ids: list[list[int]]) -> None:
         self._pending[round_id] = prompt_ids
-        self._conn.send(("generate", round_id, prompt_ids))
+        self._outbox.put(("generate", round_id, prompt_ids))
 
     def push_weights(self, version: int, state_dict: dict) -> None:
-        """New weights for the generator; requests already queued before this run with the older version."""
+        """New weights for the generator (returns at once); requests queued before this run with the older version."""
         self.version = version
-        self._conn.send(("weights", version, _serialize_state(state_dict)))
+        self._outbox.put(("weights", version, _serialize_state(state_dict)))
 
     @property
     def in_flight(self) -> int:
@@ -123,11 +136,18 @@ class AsyncRolloutProducer:
                 self._done[rid] = Rollout(rid, version, prompts, completions, logps, seconds)
         return self._done.pop(round_id)
 
-    def close(self) -> None:
-        try:
-            self._conn.send(("stop",))
-        except (BrokenPipeError, OSError):
-            pass
+    def close(self, wait: bool = True) -> None:
+        """Stop the generator. ``wait=False`` returns at once and reaps the process in a daemon thread (it may be
+        finishing a prefetched round nobody will read)."""
+        self._outbox.put(("stop",))
+        self._outbox.put(None)
+        if wait:
+            self._reap()
+        else:
+            threading.Thread(target=self._reap, daemon=True, name="rollout-producer-reap").start()
+
+    def _reap(self) -> None:
+        self._sender.join(timeout=10)
         self._proc.join(timeout=10)
         if self._proc.is_alive():
             self._proc.kill()

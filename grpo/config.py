@@ -23,7 +23,10 @@ ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    # Attribute docstrings become field descriptions: the Prefect UI shows them under each form field.
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, populate_by_name=True, use_attribute_docstrings=True
+    )
 
 
 class DataConfig(_Section):
@@ -31,7 +34,7 @@ class DataConfig(_Section):
 
     source: str = Field(
         "synthetic:addition",
-        description="'synthetic:addition', a local .jsonl/.json/.parquet/.csv file, or 'hub:<dataset id>' (downloads).",
+        description="'synthetic:addition', a local .jsonl/.json/.parquet/.csv file, or 'hub:DATASET_ID' (downloads).",
     )
     hub_config: str | None = Field(None, description="Dataset config name for hub sources (e.g. 'main' for GSM8K).")
     train_split: str = Field("train", description="Split used for training (hub sources).")
@@ -89,10 +92,15 @@ class TinyModelConfig(_Section):
     """Shape of the locally built character-level Qwen2 (used when ``model.name_or_path`` is ``tiny``)."""
 
     hidden_size: int = Field(128, ge=8)
+    """Width of the tiny Qwen2."""
     num_hidden_layers: int = Field(3, ge=1)
+    """Transformer layers."""
     num_attention_heads: int = Field(4, ge=1)
+    """Attention heads (must divide hidden_size)."""
     intermediate_size: int = Field(256, ge=8)
+    """MLP width."""
     max_position_embeddings: int = Field(64, ge=8)
+    """Longest prompt + completion in tokens."""
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModelConfig:
@@ -108,7 +116,9 @@ class WarmStartConfig(_Section):
 
     steps: int = Field(350, ge=0, description="0 disables the warm start.")
     learning_rate: float = Field(1e-3, gt=0)
+    """AdamW learning rate of the warm start."""
     batch_size: int = Field(64, ge=1)
+    """Demonstrations per warm-start step."""
     carry_error_rate: float = Field(
         0.0, ge=0, le=1,
         description="synthetic:addition only: fraction of carrying problems whose demonstration forgets the carry "
@@ -121,9 +131,12 @@ class ModelConfig(_Section):
         "tiny", description="'tiny' builds a local character-level Qwen2; anything else is a hub id or local path."
     )
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Weights dtype when loading the policy."""
     attn_implementation: str | None = Field(None, description="e.g. 'sdpa', 'flash_attention_2' (GPU).")
     tiny: TinyModelConfig = TinyModelConfig()
+    """Shape of the local tiny model (used when name_or_path is 'tiny')."""
     warm_start: WarmStartConfig = WarmStartConfig()
+    """Supervised warm start before GRPO."""
 
     @property
     def is_tiny(self) -> bool:
@@ -136,7 +149,9 @@ class SamplingConfig(_Section):
     world_size: int = Field(1, ge=1, description="Number of training processes (accelerate/torchrun).")
     sequence_parallel_degree: int = Field(1, ge=1, description="Ranks sharing one prompt's sequences.")
     shuffle: bool = True
+    """Shuffle prompts each epoch (seeded; the same order on every restart)."""
     drop_last: bool = False
+    """Drop the last incomplete round of an epoch instead of padding it with repeated prompts."""
     seqlen_balancing: bool = Field(False, description="Assign whole groups to DP ranks by balanced token load.")
     balance_quadratic_coef: float | None = Field(
         None, ge=0, description="Workload a*L + L^2 per sequence instead of L tokens (attention cost)."
@@ -153,8 +168,43 @@ class SamplingConfig(_Section):
         return self
 
 
+def _trl_help(schema: dict[str, Any]) -> None:
+    """Describe fields from ``trl.GRPOConfig``'s own help text where we have none (for the Prefect form)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    help_text = {f.name: f.metadata.get("help") for f in dataclasses.fields(GRPOConfig)}
+    for name, prop in schema.get("properties", {}).items():
+        text = " ".join((help_text.get(name) or "").split())
+        if text and "description" not in prop:
+            sentences = text.split(". ")
+            short = sentences[0]
+            for more in sentences[1:]:
+                if len(short) + len(more) > 220:
+                    break
+                short += ". " + more
+            prop["description"] = short.rstrip(".") + " (TRL)"
+
+
+def _reward_enum(schema: dict[str, Any]) -> None:
+    """Registered reward names as a closed choice (built-ins and ``grpo.rewards`` entry points)."""
+    from grpo.rewards import available_rewards
+
+    target = schema.get("items", schema)
+    target["enum"] = sorted(available_rewards())
+
+
+LRScheduler = Literal[
+    "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "cosine_with_min_lr", "polynomial",
+    "inverse_sqrt", "warmup_stable_decay",
+]
+
+
 class GRPOSection(_Section):
     """GRPO training; every name is the ``trl.GRPOConfig`` field of the same name."""
+
+    model_config = ConfigDict(**_Section.model_config, json_schema_extra=_trl_help)
 
     learning_rate: float = Field(1e-4, gt=0)
     max_steps: int = Field(400, ge=1, description="Optimizer steps.")
@@ -163,6 +213,7 @@ class GRPOSection(_Section):
     num_generations: int = Field(8, ge=2, description="Completions per prompt (the group size).")
     generation_batch_size: int | None = Field(None, ge=1, description="Completions generated at once (all ranks).")
     steps_per_generation: int | None = Field(None, ge=1)
+    """Micro-steps served by one generation round (TRL's default: gradient_accumulation_steps)."""
     num_iterations: int = Field(1, ge=1, description="Optimisation passes per generation batch (mu).")
     beta: float = Field(0.0, ge=0, description="KL coefficient; 0 skips the reference model.")
     epsilon: float = Field(0.2, gt=0)
@@ -178,11 +229,15 @@ class GRPOSection(_Section):
     top_k: int = Field(0, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
-    reward_funcs: list[str] = Field(["exact_match"], min_length=1, description="Registered reward names.")
+    reward_funcs: list[str] = Field(
+        ["exact_match"], min_length=1, description="Registered reward names.", json_schema_extra=_reward_enum
+    )
     reward_weights: list[float] | None = None
+    """One weight per reward function (default: all 1)."""
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     num_generations_chunks: int = Field(1, ge=1, description="Backward per chunk of each group's completions.")
-    lr_scheduler_type: str = "constant"
+    lr_scheduler_type: LRScheduler = "constant"
+    """Learning-rate schedule (transformers' SchedulerType)."""
     warmup_steps: float = Field(0, ge=0, description="Warmup steps, or a ratio of max_steps when in [0, 1).")
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
@@ -226,43 +281,68 @@ class AsyncSection(_Section):
     """Async GRPO and the fast-async toolkit; names as in axolotl's ``trl:`` block."""
 
     use_data_producer: bool = False
+    """Generate rollouts in a separate producer (a CPU generator process; TRL's vLLM on GPU)."""
     async_prefetch: bool = False
+    """Let the producer run ahead of training: the next rounds are generated while this one trains."""
     prefetch_depth: int = Field(1, ge=1)
+    """Generation rounds produced ahead of the trainer."""
     vllm_sync_interval: int = Field(1, ge=1)
+    """Push the trainer's weights to the generator every N optimizer steps."""
     max_staleness: int = Field(1, ge=0, description="Rollouts older than this many policy versions are regenerated.")
-    streaming_partial_batch: bool = False
-    streaming_min_groups: int = Field(1, ge=1)
+    streaming_partial_batch: bool = Field(
+        False, description="Score prompt groups in a background thread while the log-prob passes run."
+    )
+    streaming_min_groups: int = Field(1, ge=1, description="Prompt groups per streamed scoring chunk.")
     vllm_importance_sampling_correction: bool = False
+    """Reweight tokens by pi_trainer / pi_generator to correct for stale or mismatched rollouts."""
     vllm_importance_sampling_mode: ISMode = "token_truncate"
+    """token_/sequence_ level; *_truncate clamps the ratio at the cap, *_mask gives weight 0 above it."""
     vllm_importance_sampling_cap: float = Field(2.0, gt=0)
+    """Upper bound C of the importance-sampling ratio."""
     off_policy_mask_threshold: float | None = Field(None, ge=0)
+    """Drop negative-advantage sequences whose mean sampling KL exceeds this (OPSM); unset disables."""
     use_bias_correction_kl: bool = False
+    """Importance-weight the KL term for off-policy rollouts (TRL's bias-corrected KL)."""
     reward_num_workers: int = Field(1, ge=1)
+    """Reward worker processes; 1 scores in the trainer process."""
     reward_timeout: float | None = Field(None, gt=0, description="Seconds per reward call in the worker pool.")
     replay_buffer_size: int = Field(0, ge=0)
+    """High-signal groups kept to replace zero-signal groups of later batches; 0 disables."""
     replay_recompute_logps: bool = True
+    """Recompute old log-probs and advantages of replayed groups for the current policy."""
     reroll_start_fraction: float = Field(1.0, ge=0, le=1, description="1.0 disables deferred re-roll.")
     reroll_max_groups: int = Field(1, ge=1, description="Re-roll prompt groups injected per generation batch.")
     reroll_buffer_size: int = Field(256, ge=1, description="Failed prompts kept for re-roll; the oldest are dropped.")
     skip_zero_advantage_batches: bool = False
+    """Skip forward/backward of micro-batches whose advantages are all zero (ranks agree)."""
 
 
 class EvaluationConfig(_Section):
     enabled: bool = True
+    """Evaluate greedy accuracy (and pass@k) on the held-out split."""
     before_training: bool = True
+    """Also evaluate the starting policy, so the run reports its gain."""
     num_prompts: int | None = Field(None, ge=1, description="Evaluate on the first N held-out prompts (all if unset).")
     batch_size: int = Field(256, ge=1)
+    """Prompts per generation batch during evaluation."""
     pass_k: int = Field(8, ge=0, description="k for pass@k with sampling; 0 skips it.")
     pass_k_temperature: float = Field(1.0, gt=0)
-    correctness_reward: str = Field("exact_match", description="Reward whose full marks (>= 1) count as correct.")
+    """Sampling temperature for pass@k."""
+    correctness_reward: str = Field(
+        "exact_match", description="Reward whose full marks (>= 1) count as correct.", json_schema_extra=_reward_enum
+    )
 
 
 class TrackingConfig(_Section):
     backend: Literal["none", "mlflow"] = "none"
+    """'mlflow' tracks params, metrics, artifacts and the model; 'none' writes only the run directory."""
     experiment_name: str = "grpo"
+    """MLflow experiment the run is logged under."""
     tracking_uri: str | None = Field(None, description="Defaults to MLFLOW_TRACKING_URI or a local SQLite store.")
     log_system_metrics: bool = True
+    """CPU/memory/GPU metrics in MLflow."""
     log_model: bool = True
+    """Log the trained model with MLflow's transformers flavour."""
 
 
 class ExperimentConfig(_Section):
@@ -271,12 +351,19 @@ class ExperimentConfig(_Section):
     name: str = Field("tiny", description="Experiment name; default prefix of run names.")
     output_dir: str = Field("runs", description="Run directories are created under this folder.")
     data: DataConfig = DataConfig()
+    """Dataset source, columns and validation (prep stage)."""
     model: ModelConfig = ModelConfig()
+    """Policy model and warm start."""
     sampling: SamplingConfig = SamplingConfig()
+    """Prompt layout over ranks and sequence-length balancing."""
     grpo: GRPOSection = GRPOSection()
+    """GRPO training; names are trl.GRPOConfig's."""
     async_: AsyncSection = Field(AsyncSection(), alias="async")
+    """Async generation and the fast-async toolkit; names are axolotl's."""
     evaluation: EvaluationConfig = EvaluationConfig()
+    """Held-out evaluation before and after training."""
     tracking: TrackingConfig = TrackingConfig()
+    """MLflow tracking."""
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> ExperimentConfig:
@@ -322,11 +409,6 @@ class ExperimentConfig(_Section):
             raise ValueError("grpo.loss_type 'luspo' requires grpo.importance_sampling_level: sequence")
         if g.use_vllm and importlib.util.find_spec("vllm") is None:
             raise ValueError("grpo.use_vllm: vllm is not installed; install the 'gpu' extra (pip install -e '.[gpu]')")
-        if a.streaming_partial_batch and g.scale_rewards == "batch":
-            raise ValueError(
-                "async.streaming_partial_batch with grpo.scale_rewards 'batch' is not supported: streamed groups are "
-                "scored before the whole batch exists; use scale_rewards 'group' or 'none'"
-            )
         if self.model.warm_start.carry_error_rate > 0 and not self.data.synthetic:
             raise ValueError("model.warm_start.carry_error_rate applies to data.source 'synthetic:addition' only; set it to 0")
         if self.model.is_tiny and self.data.prompt_format == "chat":
@@ -362,20 +444,7 @@ class ExperimentConfig(_Section):
                     f"with sampling.world_size > 1 each rank generates whole groups: per_device_train_batch_size x "
                     f"steps_per_generation = {per_rank} must be divisible by grpo.num_generations ({g.num_generations})"
                 )
-        self._reject_unbuilt_features()
         return self
-
-    def _reject_unbuilt_features(self) -> None:
-        """Fields whose feature is not in this version yet: accepted at their defaults, refused when switched on."""
-        a = self.async_
-        pending = {
-            "async.streaming_partial_batch": a.streaming_partial_batch,
-        }
-        on = [k for k, v in pending.items() if v]
-        if on:
-            raise ValueError(
-                f"{', '.join(on)}: not available in this version of the platform yet (leave at the default)"
-            )
 
     @property
     def generation_batch_size(self) -> int:
@@ -480,6 +549,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = loaded
     data = apply_overrides(data, overrides or [])
     return config_from_dict(data, source)
+
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def presets() -> list[str]:
+    """Names of the YAML presets in ``configs/`` (``tiny``, ``qwen2.5-0.5b-gsm8k``, ...)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def resolve_config(config: ExperimentConfig, preset: str | None = None, overrides: list[str] | None = None
+                   ) -> ExperimentConfig:
+    """What a form submits: a preset (replacing ``config``) and/or ``key=value`` overrides on top."""
+    if preset is not None:
+        if preset not in presets():
+            raise ConfigError(f"preset: unknown preset {preset!r}; valid: {', '.join(presets())}")
+        return load_config(PRESETS_DIR / f"{preset}.yaml", overrides)
+    if overrides:
+        data = apply_overrides(config.model_dump(mode="json", by_alias=True), overrides)
+        return config_from_dict(data, "overrides")
+    return config
 
 
 def to_yaml(config: ExperimentConfig) -> str:

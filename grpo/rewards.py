@@ -9,13 +9,16 @@ installs or launches the platform, never by a UI user typing a config value:
 
 * the built-ins below;
 * the ``grpo.rewards`` entry-point group of an installed package (``name = "pkg.module:function"``);
-* ``grpo run --reward-module path/to/my_rewards.py``, a file whose functions use :func:`register_reward`.
+* ``grpo run --reward-module path/to/my_rewards.py``, a file whose functions use :func:`register_reward`;
+* ``GRPO_REWARD_MODULES`` (such files, separated by ``os.pathsep``) in the environment of a worker or server, so
+  flow runs started from the Prefect UI find the same rewards as the CLI.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -27,6 +30,7 @@ RewardFunc = Callable[..., list[float | None]]
 _REGISTRY: dict[str, RewardFunc] = {}
 _ENTRY_POINTS_LOADED = False
 ENTRY_POINT_GROUP = "grpo.rewards"
+MODULES_ENV = "GRPO_REWARD_MODULES"
 
 
 def register_reward(name: str) -> Callable[[RewardFunc], RewardFunc]:
@@ -50,6 +54,11 @@ def _load_entry_points() -> None:
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if ep.name not in _REGISTRY:
             register_reward(ep.name)(ep.load())
+    for path in filter(None, os.environ.get(MODULES_ENV, "").split(os.pathsep)):
+        try:
+            load_reward_module(path)
+        except ConfigError as err:
+            raise ConfigError(f"{MODULES_ENV}: {err}") from None
 
 
 def load_reward_module(path: str | Path) -> list[str]:
@@ -59,6 +68,9 @@ def load_reward_module(path: str | Path) -> list[str]:
         raise ConfigError(f"--reward-module: file not found: {path}")
     before = set(_REGISTRY)
     module_name = f"grpo_user_rewards_{path.stem}"
+    loaded = sys.modules.get(module_name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == path.resolve():
+        return []  # already imported (e.g. named by both --reward-module and GRPO_REWARD_MODULES)
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise ConfigError(f"--reward-module: cannot import {path}")

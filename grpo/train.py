@@ -89,6 +89,7 @@ def train_grpo(
     use_cpu = not torch.cuda.is_available()
     args = grpo_args(cfg, run.checkpoints, use_cpu=use_cpu)
     recorder = MetricsRecorder(run.metrics_file)
+    start = time.perf_counter()  # trainer construction included: async start-up is part of the cost
     trainer = GRPOTrainer(
         model=policy.model,
         processing_class=policy.tokenizer,
@@ -100,12 +101,11 @@ def train_grpo(
         plan_path=plan_path,
     )
     checkpoint = run.latest_checkpoint() if resume else None
-    start = time.perf_counter()
     try:
         trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     finally:
         trainer.close_reward_pool()
-        trainer.close_producer()
+        trainer.close_producer(wait=False)
     seconds = time.perf_counter() - start
     trainer.save_model(str(run.model_dir))
     policy.tokenizer.save_pretrained(run.model_dir)

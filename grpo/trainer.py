@@ -13,6 +13,7 @@ Everything else (every ``trl.GRPOConfig`` option, vLLM, PEFT, logging) is TRL's 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,13 @@ class GRPOTrainer(trl.GRPOTrainer):
                 f"grpo.trainer overrides TRL internals tested with trl=={TESTED_TRL_VERSION}, found {trl.__version__}; "
                 f"install the pinned version (pip install -e .)"
             )
+        if experiment is not None and experiment.async_.streaming_partial_batch:
+            funcs = kwargs.get("reward_funcs")
+            if any(isinstance(fn, (str, torch.nn.Module)) for fn in (funcs if isinstance(funcs, list) else [funcs])):
+                raise ConfigError(
+                    "async.streaming_partial_batch scores reward functions in a background thread; reward models run "
+                    "on the trainer's device: turn streaming off or use reward functions"
+                )
         self.experiment = experiment
         self.plan_path = Path(plan_path) if plan_path is not None else None
         super().__init__(*args, **kwargs)
@@ -56,6 +64,9 @@ class GRPOTrainer(trl.GRPOTrainer):
 
             # Functions are pickled (by reference) and sent once now; an unpicklable one fails here, not mid-run.
             self._reward_pool = RewardWorkerPool(self.reward_funcs, a.reward_num_workers, timeout=a.reward_timeout)
+        self._streaming = bool(a and a.streaming_partial_batch)
+        self._stream_inputs: list[dict[str, Any]] | None = None  # this round's rows, until its completions exist
+        self._stream = None  # (StreamingScorer, per-chunk pool error counts) of the batch being assembled
         self._producer = None  # started on the first training generation round (see _async_rollouts)
         self._async = bool(a and (a.use_data_producer or a.async_prefetch))
         self._round_prompts: list[list[int]] | None = None
@@ -63,6 +74,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._last_round_end: float | None = None
         if self._async:
             self.add_callback(_WeightSync(self))
+            if self.args.max_steps > 0:
+                self._start_producer()
         if experiment is not None:
             check_launch_matches_config(experiment, self.accelerator.num_processes)
 
@@ -141,6 +154,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         replaced: list[slice] = []
         if training and self._reroll is not None:
             inputs = self._inject_rerolls(inputs)
+        self._stream_inputs = inputs if training and self._streaming else None
         batch = self._generate_and_score_completions(inputs)
         if training and (self._replay is not None or self._reroll is not None):
             rewards = self._local_rewards(len(inputs))
@@ -196,22 +210,29 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._round_prompts.append(self._tokenize_prompts(prompts)[0])
         return self._round_prompts[round_id]
 
+    def _start_producer(self) -> None:
+        """Spawn the generator process. Called at construction, so its start-up (imports, model load) overlaps the
+        rest of set-up; its first round is generated with weights pushed at that moment (see _async_rollouts)."""
+        from grpo.async_producer import AsyncRolloutProducer, producer_threads
+
+        init_dir = Path(self.args.output_dir) / "generator-init"
+        self.accelerator.unwrap_model(self.model).save_pretrained(init_dir)
+        gc = self.generation_config
+        gen = {"max_new_tokens": self.max_completion_length, "temperature": gc.temperature, "top_p": gc.top_p,
+               "top_k": gc.top_k, "pad_token_id": self._tokenizer.pad_token_id, "eos_token_ids": list(self.eos_token_ids)}
+        threads = producer_threads()
+        self._producer = AsyncRolloutProducer(str(init_dir), gen, seed=self.args.seed + self.accelerator.process_index,
+                                              threads=threads)
+        self._producer.version = -1  # until the first push, its weights are not a trained version
+        if self.accelerator.device.type == "cpu":  # the generator's cores are not the trainer's: no oversubscription
+            torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - threads)))
+
     def _async_rollouts(self, prompt_ids: list[list[int]]):
         import time as _time
 
-        from grpo.async_producer import AsyncRolloutProducer, producer_threads
-
         a = self.experiment.async_
         if self._producer is None:
-            init_dir = Path(self.args.output_dir) / "generator-init"
-            self.accelerator.unwrap_model(self.model).save_pretrained(init_dir)
-            gc = self.generation_config
-            gen = {"max_new_tokens": self.max_completion_length, "temperature": gc.temperature, "top_p": gc.top_p,
-                   "top_k": gc.top_k, "pad_token_id": self._tokenizer.pad_token_id,
-                   "eos_token_ids": list(self.eos_token_ids)}
-            self._producer = AsyncRolloutProducer(str(init_dir), gen, seed=self.args.seed + self.accelerator.process_index,
-                                                  threads=producer_threads())
-            self._producer.version = self.state.global_step
+            self._start_producer()
         producer = self._producer
         round_id = self._current_round()
         now = _time.perf_counter()
@@ -252,9 +273,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._last_round_end = _time.perf_counter()
         return rollout.completion_ids, rollout.logprobs
 
-    def close_producer(self) -> None:
+    def close_producer(self, wait: bool = True) -> None:
         if self._producer is not None:
-            self._producer.close()
+            self._producer.close(wait=wait)
             self._producer = None
 
     # ---- off-policy correction for async rollouts (the generator's weights lag the trainer's)
@@ -269,6 +290,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         recomputed for the current policy, so their weight is 1.
         """
         a = self.experiment.async_
+        if not a.vllm_importance_sampling_correction and a.off_policy_mask_threshold is None:
+            return  # nothing to correct or log: skip the extra log-prob pass
         mask = batch["completion_mask"].float()
         sampling = torch.nan_to_num(batch["sampling_per_token_logps"], nan=0.0)
         if "old_per_token_logps" not in batch:
@@ -313,8 +336,37 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ---- rewards of the last batch (TRL keeps them local to _generate_and_score_completions)
 
+    def _generate(self, prompts: list):
+        out = super()._generate(prompts)
+        if self._stream_inputs is not None:  # async.streaming_partial_batch: score while the log-prob passes run
+            inputs, self._stream_inputs = self._stream_inputs, None
+            self._stream = self._start_streaming(inputs, prompts, completions=out[3], completion_ids=out[1])
+        return out
+
+    def _start_streaming(self, inputs, prompts, completions, completion_ids):
+        from grpo.streaming_rewards import StreamingScorer, chunk_bounds, score_in_process
+
+        columns = {k: [row[k] for row in inputs] for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")}
+        pool, errors = self._reward_pool, []
+        extra = {"trainer_state": self.state, "log_extra": self._log_completion_extra, "log_metric": self._log_metric}
+
+        def score(lo: int, hi: int) -> list[list[float]]:
+            part = {k: v[lo:hi] for k, v in columns.items()}
+            if pool is None:
+                return score_in_process(self.reward_funcs, prompts[lo:hi], completions[lo:hi], completion_ids[lo:hi],
+                                        part, extra)
+            rows = pool.compute(prompts[lo:hi], completions[lo:hi], completion_ids[lo:hi], part,
+                                group_size=self.num_generations)
+            errors.append(pool.metrics["rewards/errors"])
+            return rows
+
+        chunks = chunk_bounds(len(completions), self.num_generations, self.experiment.async_.streaming_min_groups)
+        return StreamingScorer(score, chunks), errors
+
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        if self._reward_pool is not None and self.model.training:
+        if self._stream is not None:
+            rewards_per_func = self._streamed_rewards()
+        elif self._reward_pool is not None and self.model.training:
             rewards_per_func = self._pool_rewards(inputs, prompts, completions, completion_ids_list)
         else:
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -333,6 +385,19 @@ class GRPOTrainer(trl.GRPOTrainer):
         local = torch.tensor(rows, dtype=torch.float32, device=self.accelerator.device)
         for name, value in self._reward_pool.metrics.items():
             self._metrics["train"][name].append(float(value))
+        return gather(local)
+
+    def _streamed_rewards(self) -> torch.Tensor:
+        from accelerate.utils import gather
+
+        (stream, pool_errors), self._stream = self._stream, None
+        rows, metrics = stream.result()
+        if self._reward_pool is not None:
+            metrics["rewards/errors"] = float(sum(pool_errors))
+            metrics["rewards/worker_restarts"] = float(self._reward_pool.metrics["rewards/worker_restarts"])
+        for name, value in metrics.items():
+            self._metrics["train"][name].append(float(value))
+        local = torch.tensor(rows, dtype=torch.float32, device=self.accelerator.device)
         return gather(local)
 
     def close_reward_pool(self) -> None:

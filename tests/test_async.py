@@ -65,7 +65,8 @@ def test_two_process_async_training_neither_hangs_nor_shares_data(tmp_path):
     for item in micro_overrides(tmp_path, **{
             "sampling.world_size": 2, "async.use_data_producer": "true", "async.async_prefetch": "true",
             "grpo.max_steps": 4, "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4,
-            "grpo.reward_funcs": "[exact_match_async_recorded]", "evaluation.enabled": "false"}):
+            "grpo.reward_funcs": "[exact_match_async_recorded]", "evaluation.enabled": "false",
+            "async.streaming_partial_batch": "true", "async.streaming_min_groups": 1}):
         cmd += ["--set", item]
     result = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "PROMPT_LOG": str(log), "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=600)
@@ -74,6 +75,10 @@ def test_two_process_async_training_neither_hangs_nor_shares_data(tmp_path):
     for line in log.read_text().splitlines():
         row = json.loads(line)
         calls[row["rank"]].append(row["prompts"])
-    assert len(calls[0]) == len(calls[1]) == 4
-    for a, b in zip(calls[0], calls[1]):
+    # streamed scoring: one reward call per group (2 per rank and step), each call one whole group
+    assert len(calls[0]) == len(calls[1]) == 8
+    assert all(len(set(c)) == 1 and len(c) == 4 for rank in calls.values() for c in rank)
+    for step in range(4):
+        a = calls[0][2 * step] + calls[0][2 * step + 1]
+        b = calls[1][2 * step] + calls[1][2 * step + 1]
         assert not set(a) & set(b)

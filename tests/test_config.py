@@ -72,7 +72,7 @@ def test_yaml_round_trip_and_flatten():
         (["grpo.reward_funcs=[]"], ["grpo.reward_funcs", "at least 1"]),
         (["grpo.reward_weights=[1.0, 2.0]"], ["reward_weights has 2 values but grpo.reward_funcs has 1"]),
         (["evaluation.correctness_reward=nope"], ["evaluation.correctness_reward: unknown reward 'nope'"]),
-        (["grpo.scale_rewards=batch", "async.streaming_partial_batch=true"], ["streaming_partial_batch", "scale_rewards 'batch'"]),
+        (["async.streaming_min_groups=0"], ["async.streaming_min_groups", "greater than or equal to 1"]),
         (["data.prompt_format=chat"], ["'tiny' has no chat template"]),
         (["model.tiny.max_position_embeddings=8"], ["max_position_embeddings (8) is too small"]),
         (["model.tiny.hidden_size=30"], ["model.tiny.hidden_size: 30 must be divisible by num_attention_heads (4)"]),
@@ -93,16 +93,6 @@ def test_yaml_round_trip_and_flatten():
 )
 def test_invalid_values_are_rejected_with_field_and_valid_values(overrides, fragments):
     rejects(overrides, *fragments)
-
-
-@pytest.mark.parametrize(
-    "override, field",
-    [
-        ("async.streaming_partial_batch=true", "async.streaming_partial_batch"),
-    ],
-)
-def test_features_not_in_this_version_are_refused_not_ignored(override, field):
-    rejects([override], field, "not available in this version")
 
 
 def test_set_syntax_errors():

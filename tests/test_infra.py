@@ -25,6 +25,8 @@ import yaml
 from tests.conftest import MICRO, REPO
 from tests.servers import free_port
 
+pytest_plugins = ["tests.servers"]  # the session's mlflow_server fixture
+
 INFRA = REPO / "infra"
 BIN = Path(sys.executable).parent
 POOLS = INFRA / "work-pools"
@@ -408,3 +410,214 @@ def test_grpo_serve_serves_pipeline_and_scheduled_sweep(prefect_server, tmp_path
             proc.wait()
     assert s.get("deployments/name/grpo-sweep/served")["paused"]  # serving stopped: no schedule fires into nothing
 
+
+
+BOOM_MODULE = """
+from grpo.rewards import register_reward
+
+@register_reward("sweep_worker_boom")
+def sweep_worker_boom(completions, **kwargs):
+    raise RuntimeError("sweep_worker_boom: this reward always fails")
+"""
+
+
+def _max_overlap(intervals: list[tuple[int, int]]) -> int:
+    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals], key=lambda x: (x[0], x[1]))
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
+@pytest.mark.slow
+def test_sweep_triggered_through_the_api_runs_on_a_process_worker(prefect_server, deployed, mlflow_server, tmp_path):
+    """A flow run of the grpo-sweep/nightly deployment created through the API, with 4 trials and max_concurrency 2,
+    run by a real process worker: 4 child MLflow runs under one parent (the failing trial FAILED, the others done),
+    at most 2 at once, a dashboard artifact, and the best trial's model registered with the alias "best". The
+    failing reward reaches the worker through GRPO_REWARD_MODULES."""
+    from mlflow import MlflowClient
+
+    from grpo.config import load_config
+
+    s = prefect_server
+    (tmp_path / "boom_reward.py").write_text(BOOM_MODULE)
+    cfg = load_config(MICRO, [
+        f"output_dir={tmp_path}", "tracking.backend=mlflow", f"tracking.tracking_uri={mlflow_server.uri}",
+        "tracking.experiment_name=sweep-worker", "tracking.log_system_metrics=false", "grpo.max_steps=4",
+        "grpo.logging_steps=2", "grpo.save_steps=100", "model.warm_start.steps=20",
+        "evaluation.before_training=false", "evaluation.num_prompts=16", "evaluation.pass_k=0"])
+    space = {"grid": {"grpo.reward_funcs": [["exact_match"], ["exact_match", "digits_format"],
+                                            ["exact_match", "sweep_worker_boom"], ["last_number_match"]]}}
+    model_name = f"sweep-worker-{tmp_path.name}"
+    nightly = s.get("deployments/name/grpo-sweep/nightly")
+    created = s.post(f"deployments/{nightly['id']}/create_flow_run", {"parameters": {
+        "config": cfg.model_dump(mode="json", by_alias=True), "space": space, "max_concurrency": 2,
+        "sweep_name": "sw", "registered_model_name": model_name}})
+    assert created.status_code == 201, created.text
+    flow_run_id = created.json()["id"]
+    worker = s.run(str(BIN / "prefect"), "worker", "start", "--pool", "cpu-pool", "--run-once", "--name",
+                   "sweep-worker", cwd=tmp_path, timeout=600,
+                   env=s.env(GRPO_REWARD_MODULES=str(tmp_path / "boom_reward.py")))
+    flow_run = s.get(f"flow_runs/{flow_run_id}")
+    assert flow_run["state"]["type"] == "COMPLETED", (flow_run["state"], worker.stdout[-3000:], worker.stderr[-3000:])
+    result = json.loads((tmp_path / "sw" / "sweep.json").read_text())
+
+    records = result["trials"]
+    assert [r["status"] for r in records] == ["completed", "completed", "failed", "completed"], records
+    assert "sweep_worker_boom" in records[2]["error"] and result["completed"] == 3 and result["failed"] == 1
+
+    client = MlflowClient(mlflow_server.uri)
+    parent = client.get_run(result["mlflow_run_id"])
+    assert parent.data.tags["grpo.run_type"] == "sweep" and parent.info.status == "FINISHED", parent.info
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    by_trial = {int(c.data.tags["grpo.sweep.trial"]): c for c in children}
+    assert {i: c.info.status for i, c in by_trial.items()} == {0: "FINISHED", 1: "FINISHED", 2: "FAILED",
+                                                                3: "FINISHED"}, [c.info for c in children]
+    assert "sweep_worker_boom" in by_trial[2].data.tags["grpo.sweep.error"]
+    assert json.loads(parent.data.params["sweep.space"]) == space
+    assert {r["mlflow_run_id"] for r in records} == {c.info.run_id for c in children}
+    intervals = [(c.info.start_time, c.info.end_time) for c in children]
+    assert all(e is not None and e > b for b, e in intervals) and _max_overlap(intervals) == 2, intervals
+
+    sweep_files = {a.path for a in client.list_artifacts(parent.info.run_id, "sweep")}
+    assert {"sweep/space.json", "sweep/results.json", "sweep/results_table.json"} <= sweep_files
+    dashboard = [a.path for a in client.list_artifacts(parent.info.run_id, "dashboard")]
+    assert dashboard == [result["dashboard"]["artifact"]] and dashboard[0].endswith(".html"), result["dashboard"]
+    version = client.get_model_version_by_alias(model_name, "best")
+    assert version.run_id == by_trial[result["best"]["trial"]].info.run_id
+
+    subflows = s.post("flow_runs/filter", {"flow_runs": {"name": {"any_": ["sw-t000", "sw-t001", "sw-t002",
+                                                                         "sw-t003"]}}, "limit": 20}).json()
+    assert sorted((r["name"], r["state_type"]) for r in subflows) == [
+        ("sw-t000", "COMPLETED"), ("sw-t001", "COMPLETED"), ("sw-t002", "FAILED"), ("sw-t003", "COMPLETED")]
+    [table] = s.post("artifacts/filter", {"artifacts": {"key": {"any_": ["sweep-results"]},
+                                                        "flow_run_id": {"any_": [flow_run_id]}}}).json()
+    rows = json.loads(table["data"]) if isinstance(table["data"], str) else table["data"]
+    assert [row["status"] for row in rows] == ["completed", "completed", "failed", "completed"]
+
+
+# ---------------------------------------------------------------- the Prefect UI in a real browser
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+SCREENSHOTS = REPO / "test-output"
+
+
+def _form_property(page, label: str):
+    """The innermost schema-form property labelled ``label`` (the UI appends " (Optional)" to optional fields)."""
+    exact = re.compile(rf"^{re.escape(label)}( \(Optional\))?$")
+    return page.locator(".schema-form-property",
+                        has=page.locator(".schema-form-property__label", has_text=exact)).last
+
+
+def _open_select(page, prop) -> list[str]:
+    """Open a Prefect UI dropdown (p-select) and return its option texts."""
+    prop.locator(".p-select-button__control").first.click()
+    options = page.get_by_role("option")
+    if options.count() == 0:  # the first click may only focus it
+        page.keyboard.press("Space")
+    options.first.wait_for(timeout=10_000)
+    return [t.strip() for t in options.all_inner_texts()]
+
+
+@pytest.mark.slow
+def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_server, deployed, tmp_path):
+    """In Chromium: the pipeline deployment's run form shows titles, descriptions and dropdowns for closed choices;
+    a run submitted from it (a dropdown value and a text field changed) is picked up by a process worker and
+    completes with exactly those parameters; the nightly sweep's cron schedule is paused and resumed from the UI."""
+    if not CHROMIUM.is_file():
+        pytest.fail(f"{CHROMIUM} is missing: run .ci/run (it installs it) or `apt-get install -y chromium`",
+                    pytrace=False)
+    from playwright.sync_api import expect, sync_playwright
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.pipeline import grpo_pipeline
+    from grpo.config import load_config
+
+    s = prefect_server
+    cfg = load_config(MICRO, [f"output_dir={tmp_path / 'runs'}", "tracking.backend=none", "evaluation.enabled=false",
+                              "grpo.max_steps=2", "grpo.logging_steps=1", "grpo.save_steps=2",
+                              "model.warm_start.steps=10"])
+    with temporary_settings({PREFECT_API_URL: s.url}):  # a quick deployment whose form defaults to the micro run
+        deployment_id = grpo_pipeline.to_deployment(
+            name="ui-form", work_pool_name="cpu-pool", parameters={"config": cfg.model_dump(mode="json", by_alias=True)},
+            job_variables={"working_dir": str(REPO)}).apply()
+    ui = s.url.removesuffix("/api")
+    SCREENSHOTS.mkdir(exist_ok=True)
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("pageerror", lambda err: errors.append(str(err)))
+            page.goto(f"{ui}/deployments/deployment/{deployment_id}/run", wait_until="networkidle")
+            for label in ("preset", "config", "Learning Rate", "Loss Type", "Reward Funcs",
+                          "Vllm Importance Sampling Mode", "Streaming Partial Batch"):
+                assert _form_property(page, label).count() == 1, label
+            assert "Completions per prompt (the group size)." in _form_property(page, "Num Generations").inner_text()
+            assert "(TRL)" in _form_property(page, "Epsilon High").inner_text()  # TRL's own help text
+
+            loss = _form_property(page, "Loss Type")
+            assert _open_select(page, loss) == ["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
+            page.get_by_role("option", name="bnpo", exact=True).click()
+            expect(loss.locator(".p-select-button__value")).to_have_text("bnpo")
+            is_mode = _form_property(page, "Vllm Importance Sampling Mode")
+            assert _open_select(page, is_mode) == ["token_truncate", "token_mask", "sequence_truncate",
+                                                   "sequence_mask"]
+            page.keyboard.press("Escape")
+
+            preset = _form_property(page, "preset")
+            preset.get_by_role("button", name="str", exact=True).click()
+            assert _open_select(page, preset) == ["qwen2.5-0.5b-gsm8k", "tiny"]
+            page.keyboard.press("Escape")
+            preset.get_by_role("button", name="None", exact=True).click()  # keep the form's config
+
+            run_name = _form_property(page, "run_name")
+            run_name.get_by_role("button", name="str", exact=True).click()
+            run_name.locator("textarea").fill("from-the-ui")
+            page.screenshot(path=str(SCREENSHOTS / "prefect-run-form.png"))
+            page.get_by_role("button", name="Submit", exact=True).click()
+            page.wait_for_url(re.compile(rf".*/deployments/deployment/{deployment_id}(\?.*)?$"), timeout=30_000)
+            [created] = s.post("flow_runs/filter", {"deployments": {"id": {"any_": [str(deployment_id)]}}}).json()
+            flow_run_id = created["id"]
+
+            worker = s.run(str(BIN / "prefect"), "worker", "start", "--pool", "cpu-pool", "--run-once", "--name",
+                           "ui-worker", cwd=tmp_path, timeout=300)
+            flow_run = s.get(f"flow_runs/{flow_run_id}")
+            assert flow_run["state"]["type"] == "COMPLETED", (flow_run["state"], worker.stdout[-3000:],
+                                                              worker.stderr[-3000:])
+            page.goto(f"{ui}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
+            page.get_by_text("Completed").first.wait_for(timeout=20_000)
+            page.screenshot(path=str(SCREENSHOTS / "prefect-flow-run.png"))
+
+            nightly = s.get("deployments/name/grpo-sweep/nightly")
+
+            def schedule_active() -> bool:
+                [schedule] = s.get(f"deployments/{nightly['id']}")["schedules"]
+                return schedule["active"]
+
+            page.goto(f"{ui}/deployments/deployment/{nightly['id']}", wait_until="networkidle")
+            toggle = page.locator(".deployment-schedule-card__action").get_by_role("switch")
+            states = [schedule_active()]
+            for _ in range(2):  # pause the cron schedule, then resume it
+                toggle.click()
+                deadline = time.monotonic() + 20
+                while schedule_active() == states[-1]:
+                    assert time.monotonic() < deadline, "the UI toggle did not change the schedule"
+                    time.sleep(0.3)
+                states.append(schedule_active())
+            page.screenshot(path=str(SCREENSHOTS / "prefect-schedule.png"))
+        finally:
+            browser.close()
+
+    assert states == [True, False, True]
+    params = flow_run["parameters"]
+    assert params["run_name"] == "from-the-ui" and params.get("preset") is None
+    assert params["config"]["grpo"]["loss_type"] == "bnpo"
+    summary = json.loads((tmp_path / "runs" / "from-the-ui" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["prefect_flow_run_id"] == flow_run_id
+    assert yaml.safe_load((tmp_path / "runs" / "from-the-ui" / "config.yaml").read_text())["grpo"]["loss_type"] == "bnpo"
+    assert not errors, errors

@@ -1,5 +1,5 @@
-"""Sweeps: search-space expansion (no servers), and a real 4-trial sweep on Prefect (prefect_test_harness) and a real
-`mlflow server`: nested child runs, one trial failing at runtime, at most 2 trials at once, dashboard, best model."""
+"""Sweeps: search-space expansion (no servers), and trials as deployment runs (prefect_test_harness + a real
+`mlflow server`). The 4-trial sweep run by a process worker is in test_infra.py."""
 
 from __future__ import annotations
 
@@ -11,22 +11,9 @@ import pytest
 from mlflow import MlflowClient
 
 from grpo.config import load_config
-from grpo.rewards import available_rewards, register_reward
 from grpo.sweep_space import SpaceError, check_path, expand_space, load_space, trial_overrides
 from tests.conftest import MICRO, micro_overrides
 from tests.servers import mlflow_server  # noqa: F401 - session fixture
-
-BOOM = "sweep_test_boom"
-
-
-def _boom(completions, **kwargs):
-    """Raises: a trial using it passes config validation and fails during training."""
-    raise RuntimeError("sweep_test_boom: this reward always fails")
-
-
-if BOOM not in available_rewards():
-    register_reward(BOOM)(_boom)
-
 
 @pytest.fixture(scope="module")
 def base():
@@ -156,92 +143,6 @@ def prefect_api(path: str, body: dict) -> list[dict]:
     response = httpx.post(f"{PREFECT_API_URL.value().rstrip('/')}/{path}", json=body, timeout=30)
     response.raise_for_status()
     return response.json()
-
-
-def max_overlap(intervals: list[tuple[int, int]]) -> int:
-    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda x: (x[0], x[1]))
-    running = peak = 0
-    for _, delta in events:
-        running += delta
-        peak = max(peak, running)
-    return peak
-
-
-@pytest.mark.slow
-def test_sweep_of_four_trials_two_at_a_time(tmp_path, prefect_server, mlflow_server):  # noqa: F811
-    from flows.sweep import grpo_sweep
-
-    experiment = "sweep-tests"
-    cfg = load_config(MICRO, micro_overrides(tmp_path, **{
-        "tracking.backend": "mlflow", "tracking.tracking_uri": mlflow_server.uri,
-        "tracking.experiment_name": experiment, "tracking.log_system_metrics": "false",
-        "grpo.max_steps": 4, "grpo.logging_steps": 2, "grpo.save_steps": 100, "model.warm_start.steps": 20,
-        "evaluation.before_training": "false", "evaluation.num_prompts": 16, "evaluation.pass_k": 0}))
-    space = {"grid": {"grpo.reward_funcs": [["exact_match"], ["exact_match", "digits_format"], ["exact_match", BOOM],
-                                            ["last_number_match"]]}}
-    model_name = f"sweep-test-{tmp_path.name}"
-    result = grpo_sweep(config=cfg, space=space, max_concurrency=2, sweep_name="sw", registered_model_name=model_name)
-
-    records = result["trials"]
-    assert [r["status"] for r in records] == ["completed", "completed", "failed", "completed"], records
-    assert BOOM in records[2]["error"] and result["completed"] == 3 and result["failed"] == 1
-    assert len({r["run_dir"] for r in records}) == 4
-    assert all(r["run_dir"].startswith(str(tmp_path / "sw")) for r in records)
-
-    # MLflow: one parent run, four children nested under it (the failed one FAILED), distinct names.
-    client = MlflowClient(mlflow_server.uri)
-    parent = client.get_run(result["mlflow_run_id"])
-    assert parent.data.tags["grpo.run_type"] == "sweep" and parent.info.status == "FINISHED", parent.info
-    assert json.loads(parent.data.params["sweep.space"]) == space
-    children = client.search_runs([parent.info.experiment_id],
-                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
-    assert len(children) == 4 and len({c.info.run_name for c in children}) == 4
-    by_trial = {int(c.data.tags["grpo.sweep.trial"]): c for c in children}
-    assert {i: c.info.status for i, c in by_trial.items()} == {0: "FINISHED", 1: "FINISHED", 2: "FAILED",
-                                                                3: "FINISHED"}, [c.info for c in children]
-    assert BOOM in by_trial[2].data.tags["grpo.sweep.error"]
-    assert {r["mlflow_run_id"] for r in records} == {c.info.run_id for c in children}
-
-    # At most two trials at once (and two did run together).
-    intervals = [(c.info.start_time, c.info.end_time) for c in children]
-    assert all(e is not None and e > s for s, e in intervals), intervals
-    assert max_overlap(intervals) == 2, intervals
-
-    # Parent artifacts: space, results, dashboard.
-    top = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"sweep", "dashboard"} <= top, (top, result["dashboard"])
-    sweep_files = {a.path for a in client.list_artifacts(parent.info.run_id, "sweep")}
-    assert {"sweep/space.json", "sweep/results.json", "sweep/results_table.json"} <= sweep_files
-    dashboard = [a.path for a in client.list_artifacts(parent.info.run_id, "dashboard")]
-    assert dashboard == [result["dashboard"]["artifact"]] and result["dashboard"]["kind"] == "comparison", \
-        result["dashboard"]
-
-    # Best trial by eval_accuracy_after (maximize; ties -> earliest) registered with alias "best".
-    scores = {i: c.data.metrics["eval/accuracy_after"] for i, c in by_trial.items() if i != 2}
-    best_trial = max(sorted(scores), key=lambda i: scores[i])
-    assert result["best"]["trial"] == best_trial, (scores, records)
-    version = client.get_model_version_by_alias(model_name, "best")
-    assert version.run_id == by_trial[best_trial].info.run_id
-    assert version.version == result["registered_model"]["version"]
-
-    # Prefect: the sweep's results table, and one pipeline subflow per trial (one failed).
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-    from prefect.client.schemas.sorting import FlowRunSort
-
-    with get_client(sync_client=True) as pc:
-        runs = pc.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["grpo-pipeline"])), limit=50,
-                                 sort=FlowRunSort.EXPECTED_START_TIME_ASC)
-        sweep_run = pc.read_flow_run(result["prefect_flow_run_id"])
-    names = {r.name: r.state.type.value for r in runs if r.name.startswith("sw-t")}
-    assert names == {"sw-t000": "COMPLETED", "sw-t001": "COMPLETED", "sw-t002": "FAILED", "sw-t003": "COMPLETED"}, \
-        names
-    assert sweep_run.state.is_completed()
-    table = prefect_api("artifacts/filter", {"sort": "CREATED_DESC", "limit": 10, "offset": 0,
-                                             "artifacts": {"key": {"any_": ["sweep-results"]}}})
-    assert table and table[0]["flow_run_id"] == result["prefect_flow_run_id"]
-    rows = json.loads(table[0]["data"]) if isinstance(table[0]["data"], str) else table[0]["data"]
-    assert [row["status"] for row in rows] == ["completed", "completed", "failed", "completed"]
 
 
 @pytest.mark.slow
