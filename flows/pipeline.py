@@ -17,11 +17,12 @@ from prefect.context import get_run_context
 
 import grpo.stages
 from flows.stages import PrefectProgress, eval_flow, plan_flow, prep_flow, summarize_for_ui
-from grpo.config import ExperimentConfig, flatten, load_config, presets, resolve_config
+from grpo.config import ExperimentConfig, load_config, presets, resolve_config
 from grpo.experiment import write_summary
 from grpo.prep import load_prepared
 from grpo.runs import RunDir, open_run_dir
-from grpo.tracking import MlflowCallback, MlflowTracker, log_model, tracker_from_config
+from grpo.run_tracking import eval_metrics, log_numbers, log_run_artifacts, plan_metrics, prep_metrics, start_run_tracking
+from grpo.tracking import MlflowCallback, MlflowTracker
 from grpo.train import train_grpo
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
@@ -94,15 +95,12 @@ def grpo_pipeline(
     run = open_run_dir(config, name, resume)
     logger.info(f"run directory {run.path} (resume={resume})")
 
-    tracker = tracker_from_config(config, run.path)
-    mlflow_run_id = None
+    tracker = start_run_tracking(config, run, tags={
+        "prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": flow_run_name,
+        "prefect.deployment": _deployment_name(), "prefect.ui_url": _ui_url(flow_run_id), **(tracking_tags or {})})
+    mlflow_run_id = tracker.run_id if tracker is not None else None
     finished = False
     if tracker is not None:
-        tags = {"prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": flow_run_name,
-                "prefect.deployment": _deployment_name(), "prefect.ui_url": _ui_url(flow_run_id),
-                "grpo.run_dir": str(run.path), **(tracking_tags or {})}
-        mlflow_run_id = tracker.start(name, config.tracking.experiment_name, tags={k: v for k, v in tags.items() if v},
-                                      params=flatten(config), run_id=MlflowTracker.saved_run_id(tracker.spool_dir))
         _TRACKERS[str(run.path)] = tracker
         create_link_artifact(key="mlflow-run", link=mlflow_run_url(tracker.tracking_uri, tracker.experiment_id,
                                                                    mlflow_run_id),
@@ -110,35 +108,31 @@ def grpo_pipeline(
     try:
         prep = prep_flow(config)
         data_dir = prep["data_dir"]
-        _log(tracker, {"prep/rows_in": prep["rows_in"], "prep/rows_valid": prep["rows_valid"],
-                       "prep/rows_quarantined": prep["rows_quarantined"],
-                       **{f"prep/prompt_chars_{k}": v for k, v in (prep.get("prompt_chars") or {}).items()}})
+        log_numbers(tracker, prep_metrics(prep))
         plan = plan_flow(config, data_dir, prep["content_hash"])
         run.write_json("inputs.json", {"data_dir": data_dir, "data_content_hash": prep["content_hash"],
                                        "plan_path": plan["plan_path"]})
-        imbalance = (plan.get("predicted_imbalance") or {}).get("plan_order") or {}
-        _log(tracker, {"plan/generation_rounds": plan["generation_rounds"], "plan/epochs": plan["epochs"],
-                       **{f"plan/imbalance_{k}": v for k, v in imbalance.items() if isinstance(v, (int, float))}})
+        log_numbers(tracker, plan_metrics(plan))
 
         before = run.read_json("eval_before.json") if resume else None
         if before is None and config.evaluation.enabled and config.evaluation.before_training:
             before = eval_flow(config, "policy", data_dir, str(run.path / "eval_before.json"), "before")
         if before is not None:
-            _log(tracker, _eval_metrics(before, "before"), step=0)
+            log_numbers(tracker, eval_metrics(before, "before"), step=0)
 
         trained = train_flow(config, str(run.path), data_dir, plan["plan_path"], resume)
 
         after = None
         if config.evaluation.enabled:
             after = eval_flow(config, trained["model_dir"], data_dir, str(run.path / "eval_after.json"), "after")
-            _log(tracker, _eval_metrics(after, "after"), step=trained["steps"])
+            log_numbers(tracker, eval_metrics(after, "after"), step=trained["steps"])
 
         result = _TrainResultView(trained)
         summary = write_summary(config, run, result, before, after, trained["policy_source"],
                                 time.perf_counter() - started, mlflow_run_id=mlflow_run_id,
                                 prefect_flow_run_id=flow_run_id)
         if tracker is not None:
-            _log_artifacts(tracker, config, run, data_dir, plan)
+            log_run_artifacts(tracker, config, run, data_dir, plan["plan_path"])
         create_markdown_artifact(key="grpo-run-summary", markdown=summarize_for_ui(summary), description="GRPO run")
         finished = True
         return summary
@@ -167,31 +161,3 @@ def _deployment_name() -> str | None:
         return deployment.name
     except Exception:
         return None
-
-
-def _eval_metrics(record: dict, tag: str) -> dict[str, float]:
-    out = {f"eval/accuracy_{tag}": record["accuracy"]}
-    for key, value in record.items():
-        if key.startswith("pass@") and value is not None:
-            out[f"eval/{key.replace('@', '_at_')}_{tag}"] = value
-    return out
-
-
-def _log(tracker: MlflowTracker | None, metrics: dict, step: int = 0) -> None:
-    if tracker is not None:
-        tracker.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
-
-
-def _log_artifacts(tracker: MlflowTracker, config: ExperimentConfig, run: RunDir, data_dir: str, plan: dict) -> None:
-    tracker.log_artifact(run.config_file)
-    tracker.log_artifact(Path(data_dir) / "stats.json", "data")
-    tracker.log_artifact(Path(data_dir) / "quarantine.jsonl", "data")
-    tracker.log_artifact(Path(plan["plan_path"]).with_name("plan.json"), "plan")
-    for tag in ("before", "after"):
-        record = run.read_json(f"eval_{tag}.json")
-        if record:
-            tracker.log_table({k: [s[k] for s in record["samples"]] for k in record["samples"][0]},
-                              f"eval/samples_{tag}.json")
-    tracker.log_artifact(run.summary_file)
-    if config.tracking.log_model:
-        log_model(tracker, run.model_dir, run.model_dir)

@@ -155,7 +155,7 @@ class AsyncRolloutProducer:
 
 
 def producer_threads() -> int:
-    """Threads for the generator: half the cores, at least one (the trainer keeps the rest)."""
+    """Threads for the generator: half the cores, at least one (HF generate of small models is overhead-bound)."""
     return max(1, (os.cpu_count() or 2) // 2)
 
 

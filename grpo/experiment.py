@@ -12,8 +12,10 @@ from collections.abc import Callable
 from grpo import distributed
 from grpo.config import ExperimentConfig
 from grpo.prep import load_prepared
+from grpo.run_tracking import eval_metrics, log_numbers, log_run_artifacts, plan_metrics, prep_metrics, start_run_tracking
 from grpo.runs import RunDir
 from grpo.stages import eval_stage, plan_stage, policy_stage, prep_stage, trained_policy
+from grpo.tracking import MlflowCallback
 from grpo.train import TrainResult, train_grpo
 
 
@@ -29,10 +31,23 @@ def run_experiment(
     main = distributed.is_main_process()
     if not main:
         log = lambda *_: None  # noqa: E731 - rank 0 speaks for the run
+    # Rank 0 tracks the run in MLflow, as the Prefect pipeline does (same names; see grpo/run_tracking.py).
+    tracker = start_run_tracking(cfg, run, tags={"grpo.world_size": str(distributed.launched_world_size())}) if main else None
+    finished = False
+    try:
+        summary = _stages(cfg, run, resume, log, main, tracker, callbacks, started)
+        finished = True
+        return summary
+    finally:
+        if tracker is not None:
+            tracker.close(status="FINISHED" if finished else "FAILED")
 
+
+def _stages(cfg, run, resume, log, main, tracker, callbacks, started) -> dict | None:
     data_dir = run.path / "data"
     if main and not (resume and (data_dir / "stats.json").is_file()):
         stats = prep_stage(cfg, data_dir)
+        log_numbers(tracker, prep_metrics(stats))
         log(f"data: {stats['rows_valid']} valid / {stats['rows_quarantined']} quarantined of {stats['rows_in']} rows "
             f"from {cfg.data.source} (content {stats['content_hash'][:12]})")
     distributed.barrier()
@@ -46,6 +61,7 @@ def run_experiment(
     plan_path = run.path / "plan" / "plan.parquet"
     if main and not plan_path.is_file():
         plan = plan_stage(cfg, data_dir, plan_path.parent, policy.tokenizer)
+        log_numbers(tracker, plan_metrics(plan))
         log(f"plan: {plan['generation_rounds']} generation rounds, {plan['prompts_per_round']} prompts each")
         run.write_json("inputs.json", {"data_dir": str(data_dir), "data_content_hash": plan.get("dataset_sha256"),
                                        "plan_path": str(plan_path)})
@@ -55,8 +71,10 @@ def run_experiment(
     if main and before is None and cfg.evaluation.enabled and cfg.evaluation.before_training:
         before = eval_stage(cfg, policy, data_dir, run.path / "eval_before.json")
     if before is not None:
+        log_numbers(tracker, eval_metrics(before, "before"), step=0)
         log(f"eval before: accuracy {before['accuracy']:.3f}")
 
+    callbacks = [*callbacks, *([MlflowCallback(tracker)] if tracker is not None else [])]
     result = train_grpo(cfg, policy, load_prepared(data_dir)["train"], run, resume, plan_path=plan_path,
                         callbacks=callbacks)
     log(f"train: {result.steps} steps in {result.seconds:.1f}s")
@@ -66,8 +84,13 @@ def run_experiment(
     after = None
     if cfg.evaluation.enabled:
         after = eval_stage(cfg, trained_policy(run.model_dir), data_dir, run.path / "eval_after.json")
+        log_numbers(tracker, eval_metrics(after, "after"), step=result.steps)
         log(f"eval after: accuracy {after['accuracy']:.3f}")
-    return write_summary(cfg, run, result, before, after, policy.source, time.perf_counter() - started)
+    summary = write_summary(cfg, run, result, before, after, policy.source, time.perf_counter() - started,
+                            mlflow_run_id=tracker.run_id if tracker is not None else None)
+    if tracker is not None:
+        log_run_artifacts(tracker, cfg, run, data_dir, plan_path)
+    return summary
 
 
 def write_summary(cfg: ExperimentConfig, run: RunDir, result: TrainResult, before: dict | None, after: dict | None,

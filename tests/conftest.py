@@ -14,6 +14,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Real servers shared by the whole session (tests/servers.py): the ``mlflow_server`` fixture.
+pytest_plugins = ["tests.servers"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):

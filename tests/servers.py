@@ -1,8 +1,8 @@
 """Real servers for tests: an MLflow tracking server as a subprocess on 127.0.0.1, and the session fixture sharing it.
 
-Use in a test module with ``from tests.servers import mlflow_server  # noqa: F401`` (or move the fixture into
-``conftest.py``). The server is killed at the end of the session; tests may kill and restart it (same port, same
-store) to simulate an outage.
+``tests/conftest.py`` registers this module as a plugin, so every test module shares one server per session. The
+server is killed at the end of the session; tests may kill and restart it (same port, same store) to simulate an
+outage.
 """
 
 from __future__ import annotations

@@ -11,9 +11,6 @@ from dashboards.comparison import build_dashboard
 from tests.conftest import REPO
 from tests.test_dashboard import SWEEP_PLOTS, SWEEP_RUNS, make_experiment
 
-# One MLflow server for this module and test_browser_dashboard (a plugin's session fixture is shared; a fixture
-# imported into each module would start one server per module).
-pytest_plugins = ["tests.servers"]
 pytestmark = pytest.mark.slow
 
 CHROMIUM = Path("/usr/bin/chromium")

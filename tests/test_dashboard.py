@@ -15,9 +15,6 @@ from typer.testing import CliRunner
 
 from dashboards.comparison import DashboardError, build_dashboard, log_dashboard
 
-# One MLflow server for this module and test_browser_dashboard (a plugin's session fixture is shared; a fixture
-# imported into each module would start one server per module).
-pytest_plugins = ["tests.servers"]
 pytestmark = pytest.mark.slow
 
 STEPS = 20

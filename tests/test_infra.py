@@ -25,8 +25,6 @@ import yaml
 from tests.conftest import MICRO, REPO
 from tests.servers import free_port
 
-pytest_plugins = ["tests.servers"]  # the session's mlflow_server fixture
-
 INFRA = REPO / "infra"
 BIN = Path(sys.executable).parent
 POOLS = INFRA / "work-pools"

@@ -76,8 +76,13 @@ def test_world_size_must_match_launch(tmp_path):
     assert "sampling.world_size is 2 but 1 process(es) were launched" in result.stderr
 
 
-def test_torchrun_seqlen_balancing_exchanges_groups_and_logs_balance(tmp_path):
+def test_torchrun_seqlen_balancing_exchanges_groups_and_logs_balance(tmp_path, mlflow_server):
+    """Also: a multi-process run is tracked in MLflow by rank 0 (balance/* exists only with several ranks)."""
+    from mlflow import MlflowClient
+
     overrides = micro_overrides(tmp_path, **{
+        "tracking.backend": "mlflow", "tracking.tracking_uri": mlflow_server.uri,
+        "tracking.experiment_name": "multiprocess", "tracking.log_system_metrics": "false",
         "sampling.world_size": 2, "sampling.seqlen_balancing": "true", "grpo.max_steps": 4,
         "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4, "grpo.steps_per_generation": 2,
         "grpo.logging_steps": 1, "grpo.save_steps": 100, "evaluation.enabled": "false",
@@ -99,6 +104,16 @@ def test_torchrun_seqlen_balancing_exchanges_groups_and_logs_balance(tmp_path):
         assert r["balance/max_tokens"] >= r["balance/min_tokens"] > 0
         assert r["balance/imbalance"] <= r["balance/imbalance_unbalanced"] + 1e-9
         assert r["balance/imbalance"] >= 1.0
+
+    summary = json.loads((tmp_path / "balanced" / "summary.json").read_text())
+    run = MlflowClient(mlflow_server.uri).get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["grpo.world_size"] == "2"
+    assert {"balance/imbalance", "balance/max_tokens", "skipped_zero_adv_batches", "reward", "prep/rows_in",
+            "plan/generation_rounds"} <= set(run.data.metrics), sorted(run.data.metrics)
+    assert run.data.params["sampling.world_size"] == "2"
+    history = MlflowClient(mlflow_server.uri).get_metric_history(run.info.run_id, "balance/imbalance")
+    logged = [json.loads(line) for line in (tmp_path / "balanced" / "metrics.jsonl").read_text().splitlines()]
+    assert [m.step for m in history] == [row["step"] for row in logged if "balance/imbalance" in row["metrics"]]
 
 
 SP_SCRIPT = """

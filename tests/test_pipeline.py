@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 from grpo.config import load_config
 from grpo.runs import RunDir
 from tests.conftest import MICRO, micro_overrides
-from tests.servers import MlflowServer, mlflow_server  # noqa: F401 - session fixture
+from tests.servers import MlflowServer
 
 pytestmark = pytest.mark.slow
 
@@ -25,6 +25,18 @@ TRAIN_METRICS = {"reward", "reward_std", "frac_reward_zero_std", "entropy", "cli
                  "grad_norm", "rewards/exact_match/mean", "rewards/exact_match/std"}
 STAGE_METRICS = {"prep/rows_in", "prep/rows_valid", "prep/rows_quarantined", "plan/generation_rounds",
                  "eval/accuracy_before", "eval/accuracy_after"}
+# The full run switches every toolkit feature on, so each metric the pipeline issue names must reach MLflow.
+TOOLKIT = {"grpo.beta": 0.04, "async.use_data_producer": "true", "async.async_prefetch": "true",
+           "async.vllm_importance_sampling_correction": "true", "async.off_policy_mask_threshold": 0.5,
+           "async.replay_buffer_size": 4, "async.reroll_start_fraction": 0.0, "async.skip_zero_advantage_batches": "true",
+           "async.streaming_partial_batch": "true"}
+TOOLKIT_METRICS = {"kl", "clip_ratio/region_mean", "sampling/importance_sampling_ratio/min",
+                   "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max",
+                   "sampling/is_frac_clamped", "sampling/opsm_frac_masked", "replay_buffer_replacements",
+                   "replay_buffer_size", "reroll_buffered", "reroll_injected", "reroll_buffer_size",
+                   "skipped_zero_adv_batches", "async/staleness_mean", "async/staleness_max", "async/dropped_stale",
+                   "async/queue_wait_s", "async/generate_s", "async/train_s", "streaming/chunks",
+                   "streaming/reward_wait_s"}
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +75,10 @@ def flow_runs_by_name(parent_id: str) -> dict[str, list]:
     return names
 
 
-def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefect_server, mlflow_server):  # noqa: F811
+def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefect_server, mlflow_server):
     from flows.pipeline import grpo_pipeline
 
-    cfg = pipeline_config(tmp_path, mlflow_server.uri)
+    cfg = pipeline_config(tmp_path, mlflow_server.uri, **TOOLKIT)
     summary = grpo_pipeline(config=cfg, run_name="full")
     assert summary["steps"] == 8 and summary["mlflow_run_id"] and summary["prefect_flow_run_id"]
 
@@ -85,7 +97,7 @@ def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefe
     assert run.data.params["grpo.learning_rate"] == str(cfg.grpo.learning_rate)
     assert run.data.params["model.tiny.hidden_size"] == "64"
     assert run.data.tags["prefect.flow_run_id"] == summary["prefect_flow_run_id"]
-    missing = (TRAIN_METRICS | STAGE_METRICS) - set(run.data.metrics)
+    missing = (TRAIN_METRICS | STAGE_METRICS | TOOLKIT_METRICS) - set(run.data.metrics)
     assert not missing, missing
     history = [m.step for m in client.get_metric_history(run.info.run_id, "reward")]
     assert history == [2, 4, 6, 8]
@@ -99,7 +111,7 @@ def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefe
     assert run.info.status == "FINISHED"
 
 
-def test_prep_and_plan_are_cached_across_runs(tmp_path, prefect_server, mlflow_server):  # noqa: F811
+def test_prep_and_plan_are_cached_across_runs(tmp_path, prefect_server, mlflow_server):
     from flows.pipeline import grpo_pipeline
 
     first = grpo_pipeline(config=pipeline_config(tmp_path, mlflow_server.uri), run_name="cache-a")
@@ -144,7 +156,7 @@ def wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None) ->
     raise AssertionError("timed out")
 
 
-def test_killed_training_resumes_into_the_same_mlflow_run(tmp_path, mlflow_server):  # noqa: F811
+def test_killed_training_resumes_into_the_same_mlflow_run(tmp_path, mlflow_server):
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     args = ["--run-name", "killed", *cli_overrides(tmp_path, mlflow_server.uri, **{
         "grpo.max_steps": 40, "grpo.save_steps": 8, "grpo.logging_steps": 2})]

@@ -13,7 +13,6 @@ from mlflow import MlflowClient
 from grpo.config import load_config
 from grpo.sweep_space import SpaceError, check_path, expand_space, load_space, trial_overrides
 from tests.conftest import MICRO, micro_overrides
-from tests.servers import mlflow_server  # noqa: F401 - session fixture
 
 @pytest.fixture(scope="module")
 def base():
@@ -146,7 +145,7 @@ def prefect_api(path: str, body: dict) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_sweep_via_deployment_creates_linked_flow_runs(tmp_path, prefect_server, mlflow_server):  # noqa: F811
+def test_sweep_via_deployment_creates_linked_flow_runs(tmp_path, prefect_server, mlflow_server):
     """Smoke path of ``use_deployment``: no worker serves the deployment here, so each trial's flow run is created
     (with the trial's config, run name and MLflow nesting tags) and stays scheduled until ``trial_timeout``."""
     from flows.pipeline import grpo_pipeline

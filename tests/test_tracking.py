@@ -24,7 +24,6 @@ from grpo.tracking import (
     tracker_from_config,
     use_tracking_uri,
 )
-from tests.servers import mlflow_server  # noqa: F401 - session fixture
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -54,7 +53,7 @@ def history_steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, key))
 
 
-def test_metrics_params_tags_artifacts_round_trip(mlflow_server, make_tracker, tmp_path):  # noqa: F811
+def test_metrics_params_tags_artifacts_round_trip(mlflow_server, make_tracker, tmp_path):
     cfg = load_config(None)
     params = flatten(cfg)
     params["notes.long"] = "x" * (MAX_PARAM_VAL_LENGTH + 500)
@@ -107,7 +106,7 @@ def test_metrics_params_tags_artifacts_round_trip(mlflow_server, make_tracker, t
     assert table["columns"] == ["prompt", "completion"] and len(table["data"]) == 2
 
 
-def test_server_outage_buffers_and_delivers_exactly_once(mlflow_server, make_tracker):  # noqa: F811
+def test_server_outage_buffers_and_delivers_exactly_once(mlflow_server, make_tracker):
     tracker = make_tracker(mlflow_server.uri)
     run_id = tracker.start("outage", "grpo-test", params={"a": 1})
     keys = ("loss", "reward", "kl")
@@ -145,7 +144,7 @@ def test_server_outage_buffers_and_delivers_exactly_once(mlflow_server, make_tra
     assert all(values[s] == s * 0.5 + 1 for s in range(step))
 
 
-def test_resume_same_run_no_gaps_no_duplicates(mlflow_server, make_tracker, tmp_path):  # noqa: F811
+def test_resume_same_run_no_gaps_no_duplicates(mlflow_server, make_tracker, tmp_path):
     uri, spool = mlflow_server.uri, tmp_path / "resumed" / "tracking_spool"
     params = {"grpo.learning_rate": 1e-4, "grpo.reward_funcs": ["exact_match"]}
     client = MlflowClient(uri)
@@ -195,7 +194,7 @@ def test_resume_same_run_no_gaps_no_duplicates(mlflow_server, make_tracker, tmp_
         make_tracker(uri, tmp_path / "other").start("x", "grpo-test", run_id="0" * 32)
 
 
-def test_log_model_transformers_flavour_offline(mlflow_server, make_tracker, tmp_path):  # noqa: F811
+def test_log_model_transformers_flavour_offline(mlflow_server, make_tracker, tmp_path):
     import mlflow.transformers
     from grpo.tiny_model import build_char_tokenizer, build_tiny_qwen2
 

@@ -1,0 +1,68 @@
+"""What one experiment run records in MLflow, stage by stage: shared by the Prefect pipeline (``flows/pipeline.py``)
+and the multi-process recipe (``grpo/experiment.py`` under torchrun / accelerate launch), so both log the same
+names: ``prep/*``, ``plan/*``, every trainer metric (through :class:`grpo.tracking.MlflowCallback`),
+``eval/accuracy_before|after``, ``eval/pass_at_k_*``, and the run's artifacts and model."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from grpo.config import ExperimentConfig, flatten
+from grpo.runs import RunDir
+from grpo.tracking import MlflowTracker, log_model, tracker_from_config
+
+
+def start_run_tracking(cfg: ExperimentConfig, run: RunDir, tags: Mapping[str, Any] | None = None
+                       ) -> MlflowTracker | None:
+    """Start (or, after a resume, reopen) the run's MLflow run; None when ``tracking.backend`` is ``none``."""
+    tracker = tracker_from_config(cfg, run.path)
+    if tracker is None:
+        return None
+    all_tags = {"grpo.run_dir": str(run.path), **(tags or {})}
+    tracker.start(run.path.name, cfg.tracking.experiment_name, tags={k: v for k, v in all_tags.items() if v},
+                  params=flatten(cfg), run_id=MlflowTracker.saved_run_id(tracker.spool_dir))
+    return tracker
+
+
+def log_numbers(tracker: MlflowTracker | None, metrics: Mapping[str, Any], step: int = 0) -> None:
+    if tracker is not None:
+        tracker.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+
+def prep_metrics(stats: Mapping[str, Any]) -> dict[str, float]:
+    return {"prep/rows_in": stats["rows_in"], "prep/rows_valid": stats["rows_valid"],
+            "prep/rows_quarantined": stats["rows_quarantined"],
+            **{f"prep/prompt_chars_{k}": v for k, v in (stats.get("prompt_chars") or {}).items()}}
+
+
+def plan_metrics(plan: Mapping[str, Any]) -> dict[str, float]:
+    imbalance = (plan.get("predicted_imbalance") or {}).get("plan_order") or {}
+    return {"plan/generation_rounds": plan["generation_rounds"], "plan/epochs": plan["epochs"],
+            **{f"plan/imbalance_{k}": v for k, v in imbalance.items() if isinstance(v, (int, float))}}
+
+
+def eval_metrics(record: Mapping[str, Any], tag: str) -> dict[str, float]:
+    out = {f"eval/accuracy_{tag}": record["accuracy"]}
+    for key, value in record.items():
+        if key.startswith("pass@") and value is not None:
+            out[f"eval/{key.replace('@', '_at_')}_{tag}"] = value
+    return out
+
+
+def log_run_artifacts(tracker: MlflowTracker, cfg: ExperimentConfig, run: RunDir, data_dir: str | Path,
+                      plan_path: str | Path) -> None:
+    """Resolved config, dataset stats and quarantine, plan summary, eval sample tables, summary, and the model."""
+    tracker.log_artifact(run.config_file)
+    tracker.log_artifact(Path(data_dir) / "stats.json", "data")
+    tracker.log_artifact(Path(data_dir) / "quarantine.jsonl", "data")
+    tracker.log_artifact(Path(plan_path).with_name("plan.json"), "plan")
+    for tag in ("before", "after"):
+        record = run.read_json(f"eval_{tag}.json")
+        if record:
+            tracker.log_table({k: [s[k] for s in record["samples"]] for k in record["samples"][0]},
+                              f"eval/samples_{tag}.json")
+    tracker.log_artifact(run.summary_file)
+    if cfg.tracking.log_model:
+        log_model(tracker, run.model_dir, run.model_dir)
