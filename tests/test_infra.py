@@ -316,7 +316,16 @@ def test_deploy_creates_pools_and_deployments_with_schedule(prefect_server, depl
     assert default["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
     schema = default["parameter_openapi_schema"]
     assert schema["properties"]["config"]["$ref"] == "#/definitions/ExperimentConfig"
-    assert schema["definitions"]["GRPOSection"]["properties"]["loss_type"]["enum"][:3] == ["grpo", "dr_grpo", "dapo"]
+    grpo_fields = schema["definitions"]["GRPOSection"]["properties"]
+    assert grpo_fields["loss_type"]["enum"][:3] == ["grpo", "dr_grpo", "dapo"]
+    assert {"exact_match", "last_number_match"} <= set(grpo_fields["reward_funcs"]["items"]["enum"])
+    assert grpo_fields["lr_scheduler_type"]["enum"][0] == "constant"
+    assert schema["definitions"]["AsyncSection"]["properties"]["vllm_importance_sampling_mode"]["enum"] == [
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+    assert schema["properties"]["preset"]["anyOf"][0]["enum"] == ["qwen2.5-0.5b-gsm8k", "tiny"]
+    undescribed = [f"{model}.{field}" for model, d in schema["definitions"].items()
+                   for field, prop in d["properties"].items() if not prop.get("description")]
+    assert not undescribed, undescribed  # every form field says what it does
 
     gpu = s.get("deployments/name/grpo-pipeline/gpu")
     assert gpu["work_pool_name"] == "gpu-pool" and gpu["parameters"]["config"] == GPU_PRESET

@@ -198,3 +198,42 @@ def test_mlflow_outage_mid_run_loses_no_metric(tmp_path):
         assert got == expected and len(expected) == 60
     finally:
         server.stop(kill=True)
+
+
+def _fail_once(name: str, marker: Path, after_calls: int = 0):
+    """A reward that raises exactly once, on call ``after_calls + 1`` (a transient fault), then scores normally."""
+    from grpo.rewards import exact_match, register_reward
+
+    calls = {"n": 0}
+
+    def reward(completions, answer, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > after_calls and not marker.exists():
+            marker.write_text("failed once")
+            raise RuntimeError(f"{name}: transient failure")
+        return exact_match(completions, answer)
+
+    return register_reward(name)(reward)
+
+
+def test_eval_retries_and_a_retried_pipeline_resumes_training(tmp_path, prefect_server, mlflow_server):
+    """A transient fault in evaluation is absorbed by the eval flow's retry; a fault that kills training fails the
+    pipeline attempt, and Prefect's retry of the flow run resumes from the last checkpoint into the same MLflow run."""
+    from flows.pipeline import grpo_pipeline
+
+    _fail_once("flaky_eval_reward", tmp_path / "eval-failed")
+    _fail_once("flaky_train_reward", tmp_path / "train-failed", after_calls=5)  # step 6; checkpoint at step 4
+    cfg = pipeline_config(tmp_path, mlflow_server.uri, **{
+        "grpo.reward_funcs": "[flaky_train_reward]", "evaluation.correctness_reward": "flaky_eval_reward",
+        "evaluation.pass_k": 0})
+    summary = grpo_pipeline.with_options(retries=1, retry_delay_seconds=0)(config=cfg, run_name="retried")
+
+    assert (tmp_path / "eval-failed").exists() and (tmp_path / "train-failed").exists()
+    assert summary["steps"] == 8 and summary["resumed_from"].endswith("checkpoint-4"), summary
+    runs = flow_runs_by_name(summary["prefect_flow_run_id"])
+    [pipeline] = [r for r in runs["grpo-pipeline"] if str(r.id) == summary["prefect_flow_run_id"]]
+    assert pipeline.run_count == 2 and pipeline.state.is_completed()
+    assert any(r.run_count == 2 and r.state.is_completed() for r in runs["grpo-eval"])  # retried, then passed
+    client = MlflowClient(mlflow_server.uri)
+    assert [m.step for m in client.get_metric_history(summary["mlflow_run_id"], "reward")] == [2, 4, 6, 8]
+    assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
