@@ -17,7 +17,8 @@ from pathlib import Path
 from grpo.tracking import resolve_tracking_uri
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Poll ``url`` until it answers 200; RuntimeError if ``proc`` exits first or ``timeout`` passes."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -51,8 +52,8 @@ def start_servers(project_dir: Path, prefect_port: int, mlflow_port: int) -> lis
     )
     procs = [prefect, mlflow]
     try:
-        _wait_healthy(f"http://127.0.0.1:{prefect_port}/api/health", prefect, 120)
-        _wait_healthy(f"http://127.0.0.1:{mlflow_port}/health", mlflow, 120)
+        wait_healthy(f"http://127.0.0.1:{prefect_port}/api/health", prefect, 120)
+        wait_healthy(f"http://127.0.0.1:{mlflow_port}/health", mlflow, 120)
     except RuntimeError:
         stop_servers(procs)
         raise

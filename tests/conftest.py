@@ -38,3 +38,31 @@ def micro_overrides(output_dir: Path, **extra: object) -> list[str]:
     """--set overrides on top of tests/micro.yaml (use with ``load_config(MICRO, ...)`` / ``--config MICRO``)."""
     base = {"output_dir": str(output_dir), **extra}
     return [f"{k}={v}" for k, v in base.items()]
+
+
+# A reward that records which prompts each call scored, for tests that check who trains on what. Passed to runs with
+# ``--reward-module`` (so subprocesses and torchrun ranks load it); each call appends one JSON line to $PROMPT_LOG.
+PROMPT_RECORDER = """
+import json, os
+from grpo.rewards import register_reward, exact_match
+
+@register_reward("exact_match_recorded")
+def exact_match_recorded(prompts, completions, answer, **kwargs):
+    with open(os.environ["PROMPT_LOG"], "a") as f:
+        f.write(json.dumps({"rank": int(os.environ.get("RANK", 0)), "prompts": list(prompts)}) + "\\n")
+    return exact_match(completions, answer)
+"""
+
+
+def write_prompt_recorder(directory: Path) -> Path:
+    """Write the recorder module into ``directory``; use ``grpo.reward_funcs=[exact_match_recorded]``."""
+    module = Path(directory) / "prompt_recorder.py"
+    module.write_text(PROMPT_RECORDER)
+    return module
+
+
+def recorded_calls(log: Path) -> list[dict]:
+    """The recorder's calls in order: ``{"rank": int, "prompts": [...]}`` each."""
+    import json
+
+    return [json.loads(line) for line in Path(log).read_text().splitlines()]

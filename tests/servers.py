@@ -1,4 +1,5 @@
-"""Real servers for tests: an MLflow tracking server as a subprocess on 127.0.0.1, and the session fixture sharing it.
+"""Real servers for tests, as subprocesses on 127.0.0.1: an MLflow tracking server (and the session fixture sharing
+it) and a Prefect server with its own PREFECT_HOME.
 
 ``tests/conftest.py`` registers this module as a plugin, so every test module shares one server per session. The
 server is killed at the end of the session; tests may kill and restart it (same port, same store) to simulate an
@@ -15,8 +16,12 @@ import sys
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+
 import pytest
 import requests
+
+from grpo.ui import wait_healthy
 
 
 def free_port() -> int:
@@ -55,18 +60,12 @@ class MlflowServer:
         # Own process group: stop() ends the CLI and the uvicorn worker it spawns, nothing else.
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if requests.get(f"{self.uri}/health", timeout=1).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"mlflow server did not become healthy in {timeout}s:\n{self.log_tail()}")
+        try:
+            wait_healthy(f"{self.uri}/health", self.proc, timeout)
+        except RuntimeError as err:
+            self.stop()
+            raise RuntimeError(f"mlflow server: {err}\n{self.log_tail()}") from None
+        return self
 
     def stop(self, kill: bool = False) -> None:
         """SIGKILL (an outage) or SIGTERM (a clean stop) to the server's process group; waits until the port is free."""
@@ -107,3 +106,57 @@ def mlflow_server(tmp_path_factory):
         yield server
     finally:
         server.stop(kill=True)
+
+
+BIN = Path(sys.executable).parent
+
+
+class PrefectServer:
+    """``prefect server start`` with its own PREFECT_HOME; ``env()`` points child processes (CLI, workers) at it."""
+
+    def __init__(self, home: Path) -> None:
+        self.home, self.port = home, free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.log = home / "server.log"
+        self.proc: subprocess.Popen | None = None
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_API_URL": self.url,
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1", **extra}
+
+    def start(self, timeout: float = 120) -> PrefectServer:
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
+                                          "--port", str(self.port)], env=self.env(), stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_healthy(f"{self.url}/health", self.proc, timeout)
+        except RuntimeError as err:
+            self.stop()
+            raise RuntimeError(f"prefect server: {err}\n{self.log.read_text()[-3000:]}") from None
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+    def get(self, path: str):
+        import httpx
+
+        response = httpx.get(f"{self.url}/{path}", timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    def post(self, path: str, body: dict):
+        import httpx
+
+        return httpx.post(f"{self.url}/{path}", json=body, timeout=30)
+
+    def run(self, *cmd: str, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(list(cmd), env=kw.pop("env", None) or self.env(), cwd=kw.pop("cwd", REPO),
+                              capture_output=True, text=True, timeout=timeout, **kw)

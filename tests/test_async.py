@@ -11,7 +11,7 @@ from collections import defaultdict
 from grpo.config import load_config
 from grpo.experiment import run_experiment
 from grpo.runs import open_run_dir
-from tests.conftest import MICRO, micro_overrides
+from tests.conftest import MICRO, micro_overrides, recorded_calls, write_prompt_recorder
 
 
 def metrics(run) -> list[dict]:
@@ -44,36 +44,23 @@ def test_rollouts_older_than_max_staleness_are_dropped_and_regenerated(tmp_path)
     assert sum(r.get("async/dropped_stale", 0) for r in rows) == 7  # every prefetched round after the first
 
 
-RECORDER = """
-import json, os
-from grpo.rewards import register_reward, exact_match
-
-@register_reward("exact_match_async_recorded")
-def exact_match_async_recorded(prompts, completions, answer, **kwargs):
-    with open(os.environ["PROMPT_LOG"], "a") as f:
-        f.write(json.dumps({"rank": int(os.environ.get("RANK", 0)), "prompts": list(prompts)}) + "\\n")
-    return exact_match(completions, answer)
-"""
-
-
 def test_two_process_async_training_neither_hangs_nor_shares_data(tmp_path):
-    (tmp_path / "rec.py").write_text(RECORDER)
+    recorder = write_prompt_recorder(tmp_path)
     log = tmp_path / "prompts.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
            "-m", "grpo.cli", "run", "--config", str(MICRO), "--run-name", "async-ddp", "--reward-module",
-           str(tmp_path / "rec.py")]
+           str(recorder)]
     for item in micro_overrides(tmp_path, **{
             "sampling.world_size": 2, "async.use_data_producer": "true", "async.async_prefetch": "true",
             "grpo.max_steps": 4, "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4,
-            "grpo.reward_funcs": "[exact_match_async_recorded]", "evaluation.enabled": "false",
+            "grpo.reward_funcs": "[exact_match_recorded]", "evaluation.enabled": "false",
             "async.streaming_partial_batch": "true", "async.streaming_min_groups": 1}):
         cmd += ["--set", item]
     result = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "PROMPT_LOG": str(log), "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     calls = defaultdict(list)
-    for line in log.read_text().splitlines():
-        row = json.loads(line)
+    for row in recorded_calls(log):
         calls[row["rank"]].append(row["prompts"])
     # streamed scoring: one reward call per group (2 per rank and step), each call one whole group
     assert len(calls[0]) == len(calls[1]) == 8

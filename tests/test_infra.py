@@ -15,7 +15,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,10 +22,9 @@ import pytest
 import yaml
 
 from tests.conftest import MICRO, REPO
-from tests.servers import free_port
+from tests.servers import BIN, PrefectServer, free_port
 
 INFRA = REPO / "infra"
-BIN = Path(sys.executable).parent
 POOLS = INFRA / "work-pools"
 TINY = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
 GPU_PRESET = yaml.safe_load((REPO / "configs" / "qwen2.5-0.5b-gsm8k.yaml").read_text())
@@ -201,62 +199,6 @@ def test_accelerate_configs_load_as_accelerate_launch_reads_them():
 
 
 # ---------------------------------------------------------------- a real Prefect server
-
-
-class PrefectServer:
-    def __init__(self, home: Path) -> None:
-        self.home, self.port = home, free_port()
-        self.url = f"http://127.0.0.1:{self.port}/api"
-        self.log = home / "server.log"
-        self.proc: subprocess.Popen | None = None
-
-    def env(self, **extra: str) -> dict[str, str]:
-        return {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_API_URL": self.url,
-                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1", **extra}
-
-    def start(self, timeout: float = 120) -> PrefectServer:
-        import httpx
-
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
-                                          "--port", str(self.port)], env=self.env(), stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"prefect server not healthy after {timeout}s:\n{self.log.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-
-    def get(self, path: str):
-        import httpx
-
-        response = httpx.get(f"{self.url}/{path}", timeout=30)
-        response.raise_for_status()
-        return response.json()
-
-    def post(self, path: str, body: dict):
-        import httpx
-
-        return httpx.post(f"{self.url}/{path}", json=body, timeout=30)
-
-    def run(self, *cmd: str, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(list(cmd), env=kw.pop("env", None) or self.env(), cwd=kw.pop("cwd", REPO),
-                              capture_output=True, text=True, timeout=timeout, **kw)
 
 
 @pytest.fixture(scope="module")

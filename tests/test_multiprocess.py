@@ -10,25 +10,11 @@ from collections import defaultdict
 
 import pytest
 
-from tests.conftest import MICRO, micro_overrides
-
-RECORDER = '''
-import json, os
-from grpo.rewards import register_reward, exact_match
-
-@register_reward("exact_match_recorded")
-def exact_match_recorded(prompts, completions, answer, **kwargs):
-    """exact_match that also writes which prompts this rank scored (one line per call)."""
-    with open(os.environ["PROMPT_LOG"], "a") as f:
-        f.write(json.dumps({"rank": int(os.environ.get("RANK", 0)), "prompts": list(prompts)}) + "\\n")
-    return exact_match(completions, answer)
-'''
-
+from tests.conftest import MICRO, micro_overrides, recorded_calls, write_prompt_recorder
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_torchrun_ranks_train_on_disjoint_prompts(tmp_path, nproc):
-    module = tmp_path / "recorder.py"
-    module.write_text(RECORDER)
+    module = write_prompt_recorder(tmp_path)
     log = tmp_path / "prompts.jsonl"
     steps = 4
     overrides = micro_overrides(tmp_path, **{
@@ -45,8 +31,7 @@ def test_torchrun_ranks_train_on_disjoint_prompts(tmp_path, nproc):
     assert result.returncode == 0, result.stderr[-3000:]
 
     calls = defaultdict(list)
-    for line in log.read_text().splitlines():
-        row = json.loads(line)
+    for row in recorded_calls(log):
         calls[row["rank"]].append(row["prompts"])
     assert sorted(calls) == list(range(nproc))
     assert all(len(c) == steps for c in calls.values())  # one generation round per optimizer step here

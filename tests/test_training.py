@@ -14,7 +14,7 @@ from grpo.prep import load_prepared
 from grpo.plan import read_plan_indices
 from grpo.experiment import run_experiment
 from grpo.runs import RunDir, open_run_dir
-from tests.conftest import MICRO, REPO, micro_overrides
+from tests.conftest import MICRO, REPO, micro_overrides, recorded_calls, write_prompt_recorder
 
 
 def read_metrics(run: RunDir) -> list[dict]:
@@ -44,27 +44,15 @@ def test_default_task_mean_reward_rises(tmp_path):
     assert (run.model_dir / "config.json").is_file() and run.config_file.is_file()
 
 
-RECORDER = '''
-import json, os
-from grpo.rewards import register_reward, exact_match
-
-@register_reward("exact_match_recorded")
-def exact_match_recorded(prompts, completions, answer, **kwargs):
-    with open(os.environ["PROMPT_LOG"], "a") as f:
-        f.write(json.dumps(list(prompts)) + "\\n")
-    return exact_match(completions, answer)
-'''
-
-
 def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path):
     """Kill training after its first checkpoint; ``--resume`` continues there, the step sequence is continuous and
     the prompts after the resume are exactly the sampler plan's next rounds."""
-    (tmp_path / "recorder.py").write_text(RECORDER)
+    recorder = write_prompt_recorder(tmp_path)
     overrides = micro_overrides(tmp_path, **{"grpo.max_steps": 40, "grpo.save_steps": 8, "grpo.logging_steps": 4,
                                              "evaluation.enabled": "false",
                                              "grpo.reward_funcs": "[exact_match_recorded]"})
     cmd = [sys.executable, "-m", "grpo.cli", "run", "--config", str(MICRO), "--run-name", "killed", "--reward-module",
-           str(tmp_path / "recorder.py")]
+           str(recorder)]
     for item in overrides:
         cmd += ["--set", item]
     run = RunDir(tmp_path / "killed")
@@ -103,7 +91,7 @@ def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path
     inputs = run.inputs()
     prompts = load_prepared(inputs["data_dir"])["train"]["prompt"]
     planned = list(read_plan_indices(inputs["plan_path"], sp_group=0, start_round=resumed_from))
-    scored = [p for line in (tmp_path / "resumed.jsonl").read_text().splitlines() for p in json.loads(line)]
+    scored = [p for call in recorded_calls(tmp_path / "resumed.jsonl") for p in call["prompts"]]
     assert scored == [prompts[i] for i in planned]
     assert len(scored) == (40 - resumed_from) * 16
 
