@@ -49,8 +49,11 @@ class RunDir:
         return self.read_json("inputs.json") or {}
 
     def latest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint. The Trainer writes ``trainer_state.json`` last, so a directory without it
+        is one a killed process left half-written: resuming from it would fail or load a partial state."""
         found = sorted(
-            (p for p in self.checkpoints.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+            (p for p in self.checkpoints.glob("checkpoint-*")
+             if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()),
             key=lambda p: int(p.name.split("-")[-1]),
         )
         return found[-1] if found else None

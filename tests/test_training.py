@@ -98,3 +98,17 @@ def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path
     changed = subprocess.run(cmd + ["--resume", "--set", "grpo.learning_rate=0.5"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
     assert changed.returncode == 2 and "config differs" in changed.stderr and "grpo.learning_rate" in changed.stderr
+
+
+def test_a_half_written_checkpoint_is_never_the_resume_point(tmp_path):
+    """A process killed while saving leaves a checkpoint directory without trainer_state.json (written last)."""
+    run = RunDir(tmp_path / "run")
+    for step, complete in ((4, True), (8, True), (12, False)):
+        ckpt = run.checkpoints / f"checkpoint-{step}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "model.safetensors").write_bytes(b"partial")
+        if complete:
+            (ckpt / "trainer_state.json").write_text("{}")
+    assert run.latest_checkpoint() == run.checkpoints / "checkpoint-8"
+    (run.checkpoints / "checkpoint-12" / "trainer_state.json").write_text("{}")
+    assert run.latest_checkpoint() == run.checkpoints / "checkpoint-12"
