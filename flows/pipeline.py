@@ -34,7 +34,8 @@ def default_config() -> ExperimentConfig:
 
 
 # The presets in configs/ as a closed choice, so the Prefect form shows a dropdown.
-Preset = Literal[tuple(presets())] if presets() else str  # type: ignore[valid-type]
+_PRESETS = tuple(presets())
+Preset = Literal[_PRESETS] if _PRESETS else str  # type: ignore[valid-type]
 
 
 @flow(name="grpo-train")

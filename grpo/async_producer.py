@@ -100,7 +100,6 @@ class AsyncRolloutProducer:
         self._sender.start()
         self._pending: dict[int, list[list[int]]] = {}
         self._done: dict[int, Rollout] = {}
-        self.version = 0
 
     def _send_loop(self) -> None:
         while (msg := self._outbox.get()) is not None:
@@ -115,7 +114,6 @@ class AsyncRolloutProducer:
 
     def push_weights(self, version: int, state_dict: dict) -> None:
         """New weights for the generator (returns at once); requests queued before this run with the older version."""
-        self.version = version
         self._outbox.put(("weights", version, _serialize_state(state_dict)))
 
     @property

@@ -188,7 +188,7 @@ def _trl_help(schema: dict[str, Any]) -> None:
 
 
 def _reward_enum(schema: dict[str, Any]) -> None:
-    """Registered reward names as a closed choice (built-ins and ``grpo.rewards`` entry points)."""
+    """Registered reward names as a closed choice (built-ins, entry points, ``GRPO_REWARD_MODULES``)."""
     from grpo.rewards import available_rewards
 
     target = schema.get("items", schema)

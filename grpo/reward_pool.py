@@ -71,10 +71,11 @@ def _import_file_module(name: str, path: str) -> None:
     spec.loader.exec_module(module)
 
 
-def _floats(output: Any, n: int) -> list[float]:
+def _floats(output: Any, n: int, fn: Callable) -> list[float]:
     values = [NAN if r is None else float(r) for r in output]
     if len(values) != n:
-        raise ValueError(f"returned {len(values)} rewards for {n} completions (one per completion expected)")
+        raise ValueError(f"reward {_name(fn)!r} returned {len(values)} rewards for {n} completions (one per "
+                         "completion expected)")
     return values
 
 
@@ -82,10 +83,13 @@ async def _gather(awaitables: list) -> list:
     return await asyncio.gather(*awaitables, return_exceptions=True)
 
 
-def _score(
-    funcs: list[Callable], kwargs: dict, loop: asyncio.AbstractEventLoop | None
+def score_rewards(
+    funcs: Sequence[Callable], kwargs: dict, loop: asyncio.AbstractEventLoop | None = None, raise_errors: bool = False,
 ) -> tuple[list[list[float]], list[str | None], asyncio.AbstractEventLoop | None]:
-    """Run every function on one shard; a failing function costs only its own column. Async ones run concurrently."""
+    """Run every function on one shard with TRL's keyword arguments; coroutine rewards run concurrently on ``loop``
+    (created when None and returned for reuse). Returns values per function (None -> NaN) and a traceback per
+    function that failed. A failing function costs only its own column, unless ``raise_errors``: then its exception
+    propagates, as in TRL's in-process scoring."""
     n = len(kwargs["completions"])
     values: list[list[float]] = [[NAN] * n for _ in funcs]
     errors: list[str | None] = [None] * len(funcs)
@@ -96,8 +100,10 @@ def _score(
             if inspect.isawaitable(out):
                 pending[i] = out
             else:
-                values[i] = _floats(out, n)
+                values[i] = _floats(out, n, fn)
         except Exception:
+            if raise_errors:
+                raise
             errors[i] = traceback.format_exc()
     if pending:
         loop = loop or asyncio.new_event_loop()
@@ -105,8 +111,10 @@ def _score(
             try:
                 if isinstance(out, BaseException):
                     raise out
-                values[i] = _floats(out, n)
+                values[i] = _floats(out, n, funcs[i])
             except BaseException:
+                if raise_errors:
+                    raise
                 errors[i] = traceback.format_exc()
     return values, errors, loop
 
@@ -132,7 +140,7 @@ def _worker_main(conn: Connection, payload: list[bytes], file_modules: list[tupl
             if msg[0] != "batch":
                 return
             _, batch_id, kwargs = msg
-            values, errors, loop = _score(funcs, kwargs, loop)
+            values, errors, loop = score_rewards(funcs, kwargs, loop)
             try:
                 conn.send(("result", batch_id, values, errors))
             except OSError:

@@ -55,17 +55,15 @@ def _load_entry_points() -> None:
         if ep.name not in _REGISTRY:
             register_reward(ep.name)(ep.load())
     for path in filter(None, os.environ.get(MODULES_ENV, "").split(os.pathsep)):
-        try:
-            load_reward_module(path)
-        except ConfigError as err:
-            raise ConfigError(f"{MODULES_ENV}: {err}") from None
+        load_reward_module(path, source=MODULES_ENV)
 
 
-def load_reward_module(path: str | Path) -> list[str]:
-    """Import a local Python file so its ``@register_reward`` functions join the registry; returns their names."""
+def load_reward_module(path: str | Path, source: str = "--reward-module") -> list[str]:
+    """Import a local Python file so its ``@register_reward`` functions join the registry; returns their names.
+    ``source`` names where the path came from, for the error message."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"--reward-module: file not found: {path}")
+        raise ConfigError(f"{source}: file not found: {path}")
     before = set(_REGISTRY)
     module_name = f"grpo_user_rewards_{path.stem}"
     loaded = sys.modules.get(module_name)
@@ -73,7 +71,7 @@ def load_reward_module(path: str | Path) -> list[str]:
         return []  # already imported (e.g. named by both --reward-module and GRPO_REWARD_MODULES)
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise ConfigError(f"--reward-module: cannot import {path}")
+        raise ConfigError(f"{source}: cannot import {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # so worker processes can unpickle its functions
     spec.loader.exec_module(module)

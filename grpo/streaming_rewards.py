@@ -11,13 +11,12 @@ Only the scoring is off the main thread: nothing here touches torch.distributed 
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from grpo.reward_pool import score_rewards
 
 ChunkScorer = Callable[[int, int], list[list[float]]]
 
@@ -36,34 +35,14 @@ def score_in_process(
     funcs: Sequence[Callable], prompts: Sequence, completions: Sequence, completion_ids: Sequence,
     columns: dict[str, Sequence], extra_kwargs: dict[str, Any],
 ) -> list[list[float]]:
-    """TRL's call convention for function rewards (keyword arguments, None -> NaN, coroutines awaited together).
+    """Rows (samples) x columns (reward functions), scored in this process by the reward pool's own routine.
     Exceptions propagate, as in TRL's own scoring: the trainer re-raises them on the main thread."""
-    n = len(completions)
     kwargs = {"prompts": list(prompts), "completions": list(completions), "completion_ids": list(completion_ids),
               **{k: list(v) for k, v in columns.items()}, **extra_kwargs}
-    columns_out: list[list[float] | None] = [None] * len(funcs)
-    pending: dict[int, Any] = {}
-    for i, fn in enumerate(funcs):
-        out = fn(**kwargs)
-        if inspect.isawaitable(out):
-            pending[i] = out
-        else:
-            columns_out[i] = _floats(out, n, fn)
-    if pending:
-        async def _all() -> list:
-            return await asyncio.gather(*pending.values())
-
-        for i, out in zip(pending, asyncio.run(_all())):
-            columns_out[i] = _floats(out, n, funcs[i])
-    return [[col[j] for col in columns_out] for j in range(n)]  # type: ignore[index]
-
-
-def _floats(output: Any, n: int, fn: Callable) -> list[float]:
-    values = [math.nan if r is None else float(r) for r in output]
-    if len(values) != n:
-        name = getattr(fn, "__name__", type(fn).__name__)
-        raise ValueError(f"reward function {name!r} returned {len(values)} rewards for {n} completions")
-    return values
+    values, _, loop = score_rewards(funcs, kwargs, raise_errors=True)
+    if loop is not None:
+        loop.close()
+    return [list(row) for row in zip(*values)]
 
 
 class StreamingScorer:

@@ -66,7 +66,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._streaming = bool(a and a.streaming_partial_batch)
         self._stream_inputs: list[dict[str, Any]] | None = None  # this round's rows, until its completions exist
         self._stream = None  # (StreamingScorer, per-chunk pool error counts) of the batch being assembled
-        self._producer = None  # started on the first training generation round (see _async_rollouts)
+        self._producer = None  # the CPU generator process of async runs, started below (see _start_producer)
         self._async = bool(a and (a.use_data_producer or a.async_prefetch))
         self._round_prompts: list[list[int]] | None = None
         self._submitted: set[int] = set()
@@ -223,7 +223,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         # (150 steps of configs/tiny.yaml) a trainer cut to 1 thread was 1.23x slower than one sharing the cores.
         self._producer = AsyncRolloutProducer(str(init_dir), gen, seed=self.args.seed + self.accelerator.process_index,
                                               threads=producer_threads())
-        self._producer.version = -1  # until the first push, its weights are not a trained version
 
     def _async_rollouts(self, prompt_ids: list[list[int]]):
         import time as _time
@@ -344,7 +343,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _start_streaming(self, inputs, prompts, completions, completion_ids):
         from grpo.streaming_rewards import StreamingScorer, chunk_bounds, score_in_process
 
-        columns = {k: [row[k] for row in inputs] for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")}
+        columns = _reward_columns(inputs)
         pool, errors = self._reward_pool, []
         extra = {"trainer_state": self.state, "log_extra": self._log_completion_extra, "log_metric": self._log_metric}
 
@@ -377,7 +376,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         zeroed like TRL's unscorable rows) and the worker is replaced; the batch never waits forever."""
         from accelerate.utils import gather
 
-        columns = {k: [row[k] for row in inputs] for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")}
+        columns = _reward_columns(inputs)
         rows = self._reward_pool.compute(prompts, completions, completion_ids_list, columns,
                                          group_size=self.num_generations)
         local = torch.tensor(rows, dtype=torch.float32, device=self.accelerator.device)
@@ -567,6 +566,11 @@ class GRPOTrainer(trl.GRPOTrainer):
                 done = done + loss.detach()
         # the caller backpropagates the returned tensor: only the last chunk's graph is still attached
         return loss + done
+
+
+def _reward_columns(inputs: list[dict[str, Any]]) -> dict[str, list]:
+    """The dataset columns TRL passes to reward functions as keyword arguments (all but prompt/completion)."""
+    return {k: [row[k] for row in inputs] for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")}
 
 
 def check_launch_matches_config(experiment: ExperimentConfig, launched: int) -> None:
