@@ -66,3 +66,16 @@ def test_run_requires_a_config(tmp_path):
 def test_rewards_lists_builtins(tmp_path):
     result = grpo("rewards", cwd=tmp_path)
     assert result.returncode == 0 and "exact_match" in result.stdout and "digits_format" in result.stdout
+
+
+def test_missing_reward_module_from_the_environment_is_one_line_exit_2(tmp_path):
+    """GRPO_REWARD_MODULES (how workers get custom rewards) names itself when a listed file is missing."""
+    import os
+
+    result = subprocess.run([sys.executable, "-m", "grpo.cli", "validate", "--config", str(MICRO)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "GRPO_REWARD_MODULES": str(tmp_path / "gone.py")})
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert f"GRPO_REWARD_MODULES: file not found: {tmp_path / 'gone.py'}" in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
