@@ -1,18 +1,21 @@
 # The two set-up commands (see README): `make demo` runs the default experiment, `make test` runs the tests.
-# Both create .venv when it is missing. torch is installed first from the CPU build so pip never pulls CUDA.
+# Both create .venv when it is missing, with the exact versions of constraints.txt (infra/install.sh: uv when it
+# installs, pip otherwise; the CPU build of torch first so nothing pulls a CUDA build).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_NAME ?= tiny-$(shell date +%Y%m%d-%H%M%S)
+# The lock: every package, transitive and test extras included, for Python 3.11-3.13 (CPU/CI/Dockerfile.cpu), and
+# the GPU image's (Python 3.12, linux x86_64, the `gpu` extra with vLLM and the CUDA torch it pins).
+COMPILE = $(BIN)/uv pip compile pyproject.toml --quiet --custom-compile-command "make lock"
+LOCK_CPU = $(COMPILE) --extra test --universal -o constraints.txt
+LOCK_GPU = $(COMPILE) --extra gpu --python-version 3.12 --python-platform x86_64-manylinux_2_28 -o constraints-gpu.txt
 
-.PHONY: demo test install clean-cache ui
+.PHONY: demo test test-fast install lock upgrade-lock clean-cache ui
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[test]"
+$(STAMP): pyproject.toml constraints.txt infra/install.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) infra/install.sh
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -22,6 +25,17 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Re-resolve the lock after changing a range in pyproject.toml, keeping every other pin as it is.
+lock: $(STAMP)
+	$(LOCK_CPU)
+	$(LOCK_GPU)
+
+# Deliberate upgrade: the newest versions inside pyproject.toml's ranges, installed, then the whole suite.
+upgrade-lock: $(STAMP)
+	$(LOCK_CPU) --upgrade
+	$(LOCK_GPU) --upgrade
+	$(MAKE) install test
 
 clean-cache:
 	rm -rf .cache/grpo

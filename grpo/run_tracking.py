@@ -6,6 +6,7 @@ names: ``prep/*``, ``plan/*``, every trainer metric (through :class:`grpo.tracki
 from __future__ import annotations
 
 from collections.abc import Mapping
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +15,30 @@ from grpo.runs import RunDir
 from grpo.tracking import MlflowTracker, log_model, tracker_from_config
 
 
+# The packages a result depends on, recorded as ``grpo.version.<name>`` run tags (absent ones are left out).
+KEY_PACKAGES = ("grpo-platform", "torch", "transformers", "trl", "accelerate", "peft", "datasets", "vllm", "mlflow",
+                "prefect")
+
+
+def package_versions() -> dict[str, str]:
+    """Installed versions of :data:`KEY_PACKAGES`, so a run names the environment its result came from."""
+    versions = {}
+    for name in KEY_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
 def start_run_tracking(cfg: ExperimentConfig, run: RunDir, tags: Mapping[str, Any] | None = None
                        ) -> MlflowTracker | None:
     """Start (or, after a resume, reopen) the run's MLflow run; None when ``tracking.backend`` is ``none``."""
     tracker = tracker_from_config(cfg, run.path)
     if tracker is None:
         return None
-    all_tags = {"grpo.run_dir": str(run.path), **(tags or {})}
+    all_tags = {"grpo.run_dir": str(run.path), **{f"grpo.version.{k}": v for k, v in package_versions().items()},
+                **(tags or {})}
     tracker.start(run.path.name, cfg.tracking.experiment_name, tags={k: v for k, v in all_tags.items() if v},
                   params=flatten(cfg), run_id=MlflowTracker.saved_run_id(tracker.spool_dir))
     return tracker

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,8 @@ def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefe
     assert run.data.params["grpo.learning_rate"] == str(cfg.grpo.learning_rate)
     assert run.data.params["model.tiny.hidden_size"] == "64"
     assert run.data.tags["prefect.flow_run_id"] == summary["prefect_flow_run_id"]
+    for name in ("torch", "transformers", "trl", "accelerate", "datasets", "mlflow", "prefect"):
+        assert run.data.tags[f"grpo.version.{name}"] == metadata.version(name), name
     missing = (TRAIN_METRICS | STAGE_METRICS | TOOLKIT_METRICS) - set(run.data.metrics)
     assert not missing, missing
     history = [m.step for m in client.get_metric_history(run.info.run_id, "reward")]

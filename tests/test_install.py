@@ -1,0 +1,71 @@
+"""The pinned install: what is installed is exactly what constraints.txt names, and every install path uses it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+from packaging.markers import Marker
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+REPO = Path(__file__).resolve().parents[1]
+KEY_PACKAGES = ("torch", "transformers", "trl", "accelerate", "datasets", "tokenizers", "mlflow", "prefect",
+                "pydantic", "numpy", "pandas", "fastapi", "pytest")
+
+
+def pins(lock: Path) -> dict[str, str]:
+    """``name -> version`` of the lock's lines whose environment marker holds here."""
+    out = {}
+    for line in lock.read_text().splitlines():
+        match = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([^\s;]+)\s*(?:;\s*(.+))?", line.strip())
+        if match and (match[3] is None or Marker(match[3]).evaluate()):
+            out[canonicalize_name(match[1])] = match[2]
+    return out
+
+
+def test_installed_versions_are_the_locked_ones():
+    locked = pins(REPO / "constraints.txt")
+    assert set(map(canonicalize_name, KEY_PACKAGES)) <= set(locked)
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    # Every locked package that is installed has the locked version (torch's local label, e.g. +cpu, aside).
+    wrong = {name: (installed[name], pin) for name, pin in locked.items()
+             if name in installed and Version(installed[name]).public != Version(pin).public}
+    assert not wrong, f"installed != constraints.txt (run `make install`, or `make lock` after editing ranges): {wrong}"
+    missing = [name for name in map(canonicalize_name, KEY_PACKAGES) if name not in installed]
+    assert not missing
+
+
+def test_lock_satisfies_pyproject_and_names_no_index():
+    """The lock is what `make lock` resolves from pyproject.toml's ranges; no index URL or registry host anywhere."""
+    from packaging.requirements import Requirement
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    locked = pins(REPO / "constraints.txt")
+    for spec in project["dependencies"] + project["optional-dependencies"]["test"]:
+        req = Requirement(spec)
+        assert req.specifier.contains(locked[canonicalize_name(req.name)], prereleases=True), (spec, locked[req.name])
+    gpu = pins(REPO / "constraints-gpu.txt")  # resolved for the GPU image (Python 3.12, linux x86_64): no markers
+    assert {"vllm", "torch", "trl"} <= set(gpu) and gpu["trl"] == locked["trl"]
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    for name in tracked:
+        path = REPO / name
+        if path.suffix in {".txt", ".toml", ".sh", ".yaml", ".yml", ".json", ""} or "Dockerfile" in name:
+            text = path.read_text(errors="ignore") if path.is_file() else ""
+            assert not re.search(r"(index-url|INDEX_URL)\S*\s*[= ]\s*\"?https?://|download\.pytorch\.org|pypi\.org",
+                                 text), name
+
+
+def test_every_install_path_uses_the_lock():
+    makefile = (REPO / "Makefile").read_text()
+    assert "infra/install.sh" in makefile and "constraints.txt" in makefile and "upgrade-lock:" in makefile
+    assert "make test" in (REPO / ".ci" / "run").read_text()
+    script = (REPO / "infra" / "install.sh").read_text()
+    assert '-c "$LOCK"' in script and "uv==" in script
+    for name, lock in (("Dockerfile.cpu", "constraints.txt"), ("Dockerfile.gpu", "constraints-gpu.txt")):
+        text = (REPO / "infra" / "docker" / name).read_text()
+        assert "infra/install.sh" in text and lock in text, name
+
