@@ -38,6 +38,8 @@ def test_tiny_policy_builds_offline_learns_format_and_is_cached(tmp_path):
 
     second = load_policy(cfg, data, log=lambda *_: None)
     assert second.cached and second.source == first.source
+    # Built or reused, the policy names its folder: TRL builds the reference model (beta > 0) from it.
+    assert first.model.config._name_or_path == second.model.config._name_or_path == first.source
     for a, b in zip(first.model.state_dict().values(), second.model.state_dict().values()):
         assert torch.equal(a, b)
 

@@ -170,11 +170,14 @@ def test_raising_reward_costs_only_its_own_column_on_its_shard():
 
 
 def test_hung_reward_is_killed_at_the_deadline_and_the_pool_recovers():
-    with RewardWorkerPool([trouble, length_reward], num_workers=2, timeout=1.0) as pool:
+    """The hung call sleeps 600 s: returning at all shows the deadline ended the wait, and not before the full
+    configured timeout had passed (no speed assertion: a busy machine only makes it return later)."""
+    timeout = 1.0
+    with RewardWorkerPool([trouble, length_reward], num_workers=2, timeout=timeout) as pool:
         hung_pid = pool.worker_pids[1]
         start = time.monotonic()
         rows = pool.compute(**_batch(["ok", "fine", "hang", "x"]), group_size=2)
-        assert time.monotonic() - start < 4
+        assert time.monotonic() - start >= timeout
         assert rows[:2] == [[0.5, 2.0], [0.5, 4.0]]
         assert all(math.isnan(v) for r in rows[2:] for v in r)
         assert pool.metrics["rewards/errors"] == 4 and pool.metrics["rewards/worker_restarts"] == 1
@@ -194,9 +197,7 @@ def test_worker_dying_mid_batch_is_detected_without_a_timeout(how):
             completions = ["slow", "x", "ok", "y"]
         else:
             completions = ["exit", "x", "ok", "y"]
-        start = time.monotonic()
-        rows = pool.compute(**_batch(completions), group_size=2)
-        assert time.monotonic() - start < 3
+        rows = pool.compute(**_batch(completions), group_size=2)  # no timeout: a missed death would hang here
         assert all(math.isnan(v) for r in rows[:2] for v in r) and rows[2:] == [[0.5, 2.0], [0.5, 1.0]]
         assert pool.metrics["rewards/errors"] == 4 and pool.metrics["rewards/worker_restarts"] == 1
         assert victim not in pool.worker_pids

@@ -75,23 +75,44 @@ def test_streamed_advantages_equal_whole_batch_scoring(tmp_path, scale_rewards):
 
 
 def test_rewards_are_computed_while_the_log_prob_pass_runs(tmp_path):
-    """The reference-model pass waits (bounded) for a reward call to be under way: with streaming one is, with TRL's
-    order (log-probs first, rewards after) none is."""
-    seen: dict[bool, bool] = {}
-    for streaming in (True, False):
-        started = threading.Event()
+    """Ordering, not timing. With streaming, the reward call holds until the reference pass has started, and the
+    reference pass sees that call under way (were rewards scored before the pass, in the same thread, the call would
+    give up its wait and finish first, and the check would fail). Without streaming (TRL's order) every reference
+    pass comes before the first reward call."""
+    # streaming: the reward is still running when the reference-model pass starts
+    reward_running, reward_done, ref_entered = threading.Event(), threading.Event(), threading.Event()
 
-        def signalling_reward(prompts, completions, **kwargs):
-            started.set()
-            return varied_reward(prompts, completions)
+    def held_reward(prompts, completions, **kwargs):
+        reward_running.set()
+        ref_entered.wait(timeout=120)
+        reward_done.set()
+        return varied_reward(prompts, completions)
 
-        trainer = make_trainer(tmp_path / str(streaming), [signalling_reward], **{
-            "grpo.beta": 0.05, "async.streaming_partial_batch": str(streaming).lower()})
-        overlapped = []
-        trainer.ref_model.register_forward_pre_hook(lambda *_: overlapped.append(started.wait(timeout=3)))
-        trainer.assemble_generation_batch(groups(trainer, "12"))
-        seen[streaming] = any(overlapped)
-    assert seen == {True: True, False: False}
+    def on_ref_pass(*_):
+        if not ref_entered.is_set():
+            reward_running.wait(timeout=120)
+            overlapped.append(reward_running.is_set() and not reward_done.is_set())
+            ref_entered.set()
+
+    overlapped: list[bool] = []
+    trainer = make_trainer(tmp_path / "stream", [held_reward], **{
+        "grpo.beta": 0.05, "async.streaming_partial_batch": "true"})
+    trainer.ref_model.register_forward_pre_hook(on_ref_pass)
+    trainer.assemble_generation_batch(groups(trainer, "12"))
+    assert overlapped == [True]
+
+    # TRL's order: log-prob passes first, then the rewards
+    events: list[str] = []
+
+    def logging_reward(prompts, completions, **kwargs):
+        events.append("reward")
+        return varied_reward(prompts, completions)
+
+    trainer = make_trainer(tmp_path / "plain", [logging_reward], **{"grpo.beta": 0.05})
+    trainer.ref_model.register_forward_pre_hook(lambda *_: events.append("ref"))
+    trainer.assemble_generation_batch(groups(trainer, "12"))
+    assert "ref" in events and "reward" in events
+    assert events.index("reward") > max(i for i, e in enumerate(events) if e == "ref"), events
 
 
 def test_a_raising_reward_fails_the_step_as_in_trl(tmp_path):
