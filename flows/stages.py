@@ -59,8 +59,10 @@ PLAN_CODE = (grpo.plan, grpo.stages)
 
 
 def prep_dir_for(cfg: ExperimentConfig) -> Path:
-    """Content-addressed location of prepared data: the same data config and code always land in one place."""
-    return cache_root() / "prepared" / _key("prep", cfg.data.model_dump(mode="json"), PREP_CODE)
+    """Content-addressed location of prepared data: the same data config, source contents and code always land in
+    one place, and an edited source file lands in a new one (the prep task's cache key includes this path)."""
+    payload = {**cfg.data.model_dump(mode="json"), "source_fingerprint": grpo.prep.source_fingerprint(cfg.data)}
+    return cache_root() / "prepared" / _key("prep", payload, PREP_CODE)
 
 
 def plan_dir_for(cfg: ExperimentConfig, data_hash: str) -> Path:

@@ -201,6 +201,31 @@ def content_hash(tables: dict[str, pyarrow.Table]) -> str:
     return h.hexdigest()
 
 
+def source_fingerprint(cfg: DataConfig) -> dict[str, Any]:
+    """What identifies the source's *contents*, for cache keys: a path string alone would let an edited file be
+    served from the cache of its old contents. Local files: size, mtime and a sha256 of the bytes (the hash decides;
+    size and mtime make the record readable). Hub sources: the revision the local hub cache resolves ``main`` to
+    (None before the first download, so the key settles once the data is cached). Synthetic: the config says all."""
+    if cfg.synthetic:
+        return {}
+    if cfg.source.startswith("hub:"):
+        return {"revision": _hub_revision(cfg.source[4:])}
+    path = Path(cfg.source)
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": h.hexdigest()}
+
+
+def _hub_revision(dataset_id: str) -> str | None:
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    ref = Path(HF_HUB_CACHE) / f"datasets--{dataset_id.replace('/', '--')}" / "refs" / "main"
+    return ref.read_text().strip() if ref.is_file() else None
+
+
 # ---------------------------------------------------------------- loading raw rows
 
 
