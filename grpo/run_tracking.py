@@ -26,6 +26,17 @@ def start_run_tracking(cfg: ExperimentConfig, run: RunDir, tags: Mapping[str, An
     return tracker
 
 
+def end_status(finished: bool, error: BaseException | None, was_finished: bool) -> str:
+    """The MLflow status a pipeline attempt leaves: FINISHED when it finished; KILLED when a signal (Ctrl-C,
+    SIGTERM) stopped it; FAILED otherwise, except that a resume of a run that had already finished (its
+    ``summary.json`` existed before the attempt) leaves it FINISHED: a failed retry does not undo a finished run."""
+    if finished:
+        return "FINISHED"
+    if error is not None and not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit, TerminationSignal
+        return "KILLED"
+    return "FINISHED" if was_finished else "FAILED"
+
+
 def log_numbers(tracker: MlflowTracker | None, metrics: Mapping[str, Any], step: int = 0) -> None:
     if tracker is not None:
         tracker.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)

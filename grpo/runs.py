@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import re
+import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
+from safetensors import safe_open
 
 from grpo.config import ExperimentConfig, config_from_dict, flatten, to_yaml
 from grpo.errors import RunDirectoryError
@@ -48,15 +51,25 @@ class RunDir:
         """Where this run's prepared data and sampler plan live (written by the pipeline's plan stage)."""
         return self.read_json("inputs.json") or {}
 
-    def latest_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint. The Trainer writes ``trainer_state.json`` last, so a directory without it
-        is one a killed process left half-written: resuming from it would fail or load a partial state."""
+    def latest_checkpoint(self, report: Callable[[str], None] | None = None) -> Path | None:
+        """The newest checkpoint that can be loaded. The Trainer writes ``trainer_state.json`` last, so a directory
+        without it is one a killed process left half-written; a truncated or corrupt file (disk full, a copy cut
+        short) is caught by :func:`checkpoint_problem`. Skipped checkpoints are passed to ``report``, so a resume
+        that falls back to an older one says so."""
         found = sorted(
             (p for p in self.checkpoints.glob("checkpoint-*")
              if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()),
-            key=lambda p: int(p.name.split("-")[-1]),
+            key=lambda p: int(p.name.split("-")[-1]), reverse=True,
         )
-        return found[-1] if found else None
+        for ckpt in found:
+            problem = checkpoint_problem(ckpt)
+            if problem is None:
+                return ckpt
+            if report is not None:
+                report(f"checkpoint {ckpt} can not be loaded ({problem}); falling back to an older one")
+        if found and report is not None:
+            report(f"no loadable checkpoint in {self.checkpoints}; training starts from step 0")
+        return None
 
     def write_json(self, name: str, data: dict) -> Path:
         target = self.path / name
@@ -68,6 +81,29 @@ class RunDir:
     def read_json(self, name: str) -> dict | None:
         f = self.path / name
         return json.loads(f.read_text()) if f.is_file() else None
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """Why ``ckpt`` can not be resumed from, or None. Cheap structural checks, no tensors read: the trainer state
+    parses, every safetensors file's header matches its size, every torch pickle (optimizer, scheduler, RNG) is a
+    complete zip archive."""
+    try:
+        json.loads((ckpt / "trainer_state.json").read_text())
+    except (OSError, ValueError) as err:
+        return f"trainer_state.json: {err}"
+    for f in sorted(ckpt.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="np"):
+                pass
+        except Exception as err:  # SafetensorError: truncated, bad header, size mismatch
+            return f"{f.name}: {err}"
+    for f in sorted([*ckpt.glob("*.pt"), *ckpt.glob("*.pth"), *ckpt.glob("*.bin")]):
+        try:
+            with zipfile.ZipFile(f) as z:
+                z.infolist()
+        except (OSError, zipfile.BadZipFile) as err:
+            return f"{f.name}: {err}"
+    return None
 
 
 def default_run_name(cfg: ExperimentConfig) -> str:
