@@ -1,0 +1,153 @@
+"""Faults a new user hits (issue #12): edited data, interrupted and corrupted runs, odd input, signals, secrets.
+
+Each test reproduces one reported failure against the real component (files, checkpoints, a real MLflow store, the
+CLI as a subprocess); the README's reliability table lists what each guarantees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo.config import DataConfig, load_config
+from grpo.runs import RunDir, open_run_dir
+from tests.conftest import MICRO, micro_overrides
+
+
+def write_rows(path: Path, n: int, changed: dict[int, str] | None = None) -> Path:
+    changed = changed or {}
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": changed.get(i, str(i + 1))}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def grpo_cli(*args: str, cwd: Path, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "grpo.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **env})
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert lines and lines[-1].startswith("error: ") and fragment in lines[-1], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- data integrity
+
+
+def test_an_edited_data_file_is_prepared_again(tmp_path):
+    """#12.1: the prep cache keys on the source's contents, not on its path."""
+    from flows.stages import prep_dir_for
+    from grpo.stages import prep_stage
+
+    source = write_rows(tmp_path / "data.jsonl", 60)
+    cfg = load_config(MICRO, micro_overrides(tmp_path, **{"data.source": str(source)}))
+    first_dir = prep_dir_for(cfg)
+    first = prep_stage(cfg, first_dir)
+    assert first["rows_in"] == 60
+
+    write_rows(source, 100, changed={3: "99"})  # same path, new contents
+    assert prep_dir_for(cfg) != first_dir
+    second = prep_stage(cfg, prep_dir_for(cfg))
+    assert second["rows_in"] == 100 and second["content_hash"] != first["content_hash"]
+    assert prep_dir_for(cfg) == prep_dir_for(cfg)  # unchanged contents: a stable key (the cache still hits)
+
+
+def test_a_resume_before_the_first_checkpoint_logs_each_step_once(tmp_path):
+    """#12.2: a run killed before its first checkpoint restarts at step 0; its earlier lines are dropped."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from grpo.train import MetricsRecorder
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "metrics": {"reward": 0.1}}) + "\n" for s in range(1, 6)))
+    recorder = MetricsRecorder(metrics)
+    state = TrainerState()  # a resume with no checkpoint: global_step 0
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True)
+    recorder.on_train_begin(args, state, TrainerControl())
+    for step in range(1, 6):
+        state.global_step = step
+        recorder.on_log(args, state, TrainerControl(), logs={"reward": 0.2})
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+
+
+def write_checkpoint(ckpt: Path, step: int) -> None:
+    """The files a Trainer checkpoint has: safetensors weights, torch pickles, trainer_state.json (last)."""
+    import torch
+    from safetensors.torch import save_file
+
+    ckpt.mkdir(parents=True)
+    save_file({"w": torch.ones(64, 64)}, str(ckpt / "model.safetensors"))
+    torch.save({"state": {0: torch.zeros(64)}}, ckpt / "optimizer.pt")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_a_corrupt_checkpoint_is_skipped_with_a_message(tmp_path):
+    """#12.3: truncated weights or optimizer state are not a resume point; the newest loadable one is, and the
+    skip is reported."""
+    run = RunDir(tmp_path / "run")
+    for step in (4, 8, 12):
+        write_checkpoint(run.checkpoints / f"checkpoint-{step}", step)
+    truncate(run.checkpoints / "checkpoint-12" / "model.safetensors")
+    truncate(run.checkpoints / "checkpoint-8" / "optimizer.pt")
+    said: list[str] = []
+    assert run.latest_checkpoint(report=said.append) == run.checkpoints / "checkpoint-4"
+    assert len(said) == 2 and "checkpoint-12" in said[0] and "model.safetensors" in said[0]
+    assert "checkpoint-8" in said[1] and "optimizer.pt" in said[1]
+    truncate(run.checkpoints / "checkpoint-4" / "model.safetensors")
+    assert run.latest_checkpoint(report=said.append) is None and "starts from step 0" in said[-1]
+
+
+def test_resuming_onto_a_corrupt_checkpoint_falls_back_and_never_unfinishes_the_run(tmp_path):
+    """#12.3 end to end (in-process recipe, real SQLite MLflow store): a finished run whose latest checkpoint was
+    truncated resumes from the previous one; a resume that fails leaves the MLflow run FINISHED."""
+    from mlflow import MlflowClient
+
+    from grpo.experiment import run_experiment
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = load_config(MICRO, micro_overrides(tmp_path, **{
+        "grpo.max_steps": 8, "grpo.save_steps": 4, "grpo.logging_steps": 2, "evaluation.num_prompts": 8,
+        "evaluation.pass_k": 0, "tracking.backend": "mlflow", "tracking.tracking_uri": uri}))
+    run = open_run_dir(cfg, "corrupt", resume=False)
+    first = run_experiment(cfg, run, log=lambda *_: None)
+    client = MlflowClient(uri)
+    assert client.get_run(first["mlflow_run_id"]).info.status == "FINISHED"
+
+    truncate(run.checkpoints / "checkpoint-8" / "model.safetensors")
+    resumed = run_experiment(cfg, run, resume=True, log=lambda *_: None)
+    assert resumed["resumed_from"].endswith("checkpoint-4") and resumed["steps"] == 8
+    assert resumed["mlflow_run_id"] == first["mlflow_run_id"]
+    assert client.get_run(first["mlflow_run_id"]).info.status == "FINISHED"
+
+    (run.path / "eval_before.json").write_text("{not json")  # a resume that fails part-way
+    with pytest.raises(ValueError):
+        run_experiment(cfg, run, resume=True, log=lambda *_: None)
+    assert client.get_run(first["mlflow_run_id"]).info.status == "FINISHED"
+
+
+def test_summary_records_the_content_hash_of_the_data_trained_on(tmp_path):
+    """#12.4: under Prefect the prepared data lives in the shared prep cache, not in the run directory; the summary
+    reads the hash from the data directory the run recorded in inputs.json."""
+    from grpo.experiment import write_summary
+    from grpo.stages import prep_stage
+    from grpo.train import TrainResult
+
+    cfg = load_config(MICRO, micro_overrides(tmp_path, **{"data.source": str(write_rows(tmp_path / "d.jsonl", 40))}))
+    prep = prep_stage(cfg, tmp_path / "cache" / "prepared" / "prep-abc")
+    run = open_run_dir(cfg, "hash", resume=False)
+    run.write_json("inputs.json", {"data_dir": prep["data_dir"], "plan_path": "unused"})
+    summary = write_summary(cfg, run, TrainResult(1, 0.1, None, [], []), None, None, "tiny", 1.0)
+    assert summary["data_content_hash"] == prep["content_hash"] and len(prep["content_hash"]) == 64
