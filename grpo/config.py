@@ -526,6 +526,16 @@ def config_from_dict(data: dict, source: str = "config") -> ExperimentConfig:
         raise ConfigError(f"{source}: {_format_validation_error(err)}") from None
 
 
+def read_text_file(path: Path) -> str:
+    """A config file's text; a file that is not UTF-8 is a :class:`ConfigError` naming the line, not a traceback."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: not UTF-8 text (line {line}: byte {data[err.start]:#04x}); save it as UTF-8") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
     """Read YAML (or the built-in defaults when ``path`` is None), apply ``--set`` overrides, validate."""
     data: dict = {}
@@ -536,7 +546,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = yaml.safe_load(read_text_file(path))
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -6,8 +6,11 @@ config that differs from the one the run started with.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
+import shutil
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,13 +121,53 @@ def validate_run_name(name: str) -> str:
     return name
 
 
+# What a run directory holds before training writes anything (metrics.jsonl, checkpoints/, model/, summary.json).
+_BEFORE_TRAINING = {".lock", "config.yaml", "run.log", "inputs.json", "eval_before.json", "tracking_spool", "plan", "data"}
+
+
+_LOCK = ".lock"
+_CLAIMED: dict[Path, object] = {}  # run dir -> its open lock file, held until this process exits
+
+
+def _claim(run: RunDir) -> None:
+    """Hold an exclusive lock on the run directory for the life of this process (the OS drops it when the process
+    dies, however it dies), so two runs started under one name never write into one directory."""
+    key = run.path.resolve()
+    if key in _CLAIMED:  # a retried flow run in this process
+        return
+    f = (run.path / _LOCK).open("a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise RunDirectoryError(f"run directory {run.path} is in use by another running process; "
+                                "choose another --run-name") from None
+    _CLAIMED[key] = f
+
+
+def never_trained(run: RunDir) -> bool:
+    """A directory left by a run that failed before training (bad data, unreachable tracking, an import error), or
+    an empty one: it holds nothing worth keeping, so it must not block a fresh start under the same name."""
+    return run.path.is_dir() and all(p.name in _BEFORE_TRAINING for p in run.path.iterdir())
+
+
+def _check_output_dir(cfg: ExperimentConfig) -> None:
+    out = Path(cfg.output_dir)
+    existing = next((p for p in (out, *out.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        raise RunDirectoryError(f"output_dir {out}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RunDirectoryError(f"output_dir {out}: {existing} is not writable")
+
+
 def check_run_dir(cfg: ExperimentConfig, run_name: str, resume: bool) -> RunDir:
     """Everything :func:`open_run_dir` checks, without creating anything (for failing fast before a pipeline)."""
     validate_run_name(run_name)
+    _check_output_dir(cfg)
     run = RunDir(Path(cfg.output_dir) / run_name)
     if resume:
         _check_resumable(cfg, run)
-    elif run.path.exists():
+    elif run.path.exists() and not never_trained(run):
         raise RunDirectoryError(
             f"run directory {run.path} already exists; pass --resume to continue it or choose another --run-name"
         )
@@ -134,7 +177,16 @@ def check_run_dir(cfg: ExperimentConfig, run_name: str, resume: bool) -> RunDir:
 def _check_resumable(cfg: ExperimentConfig, run: RunDir) -> None:
     if not run.config_file.is_file():
         raise RunDirectoryError(f"--resume: no run to resume at {run.path} (no config.yaml there)")
-    saved = config_from_dict(yaml.safe_load(run.config_file.read_text()), str(run.config_file))
+    try:
+        saved_data = yaml.safe_load(run.config_file.read_text(encoding="utf-8"))
+        if not isinstance(saved_data, dict):
+            raise ValueError("not a mapping of sections")
+        saved = config_from_dict(saved_data, str(run.config_file))
+    except (yaml.YAMLError, ValueError) as err:  # UnicodeDecodeError and ConfigError are ValueErrors too
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise RunDirectoryError(
+            f"--resume: {run.config_file} is corrupt ({detail}); restore it or start a new --run-name"
+        ) from None
     changed = _differences(saved, cfg)
     if changed:
         raise RunDirectoryError(
@@ -144,18 +196,22 @@ def _check_resumable(cfg: ExperimentConfig, run: RunDir) -> None:
 
 
 def open_run_dir(cfg: ExperimentConfig, run_name: str, resume: bool) -> RunDir:
-    """Create a fresh run directory, or reopen one for ``--resume`` after checking the config is unchanged."""
-    validate_run_name(run_name)
-    run = RunDir(Path(cfg.output_dir) / run_name)
-    if resume:
-        _check_resumable(cfg, run)
-        return run
-    if run.path.exists():
-        raise RunDirectoryError(
-            f"run directory {run.path} already exists; pass --resume to continue it or choose another --run-name"
-        )
-    run.path.mkdir(parents=True)
-    run.config_file.write_text(to_yaml(cfg))
+    """Create a fresh run directory, or reopen one for ``--resume`` after checking the config is unchanged.
+
+    A directory that :func:`never_trained` is reused for a fresh start: what the failed attempt left (its MLflow run
+    id, inputs, eval) is cleared, its ``run.log`` kept."""
+    run = check_run_dir(cfg, run_name, resume)
+    try:
+        run.path.mkdir(parents=True, exist_ok=True)
+        _claim(run)
+        if resume:
+            return run
+        for entry in run.path.iterdir():  # what a failed earlier attempt left (check_run_dir: nothing trained)
+            if entry.name not in ("run.log", _LOCK):
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        run.config_file.write_text(to_yaml(cfg))
+    except OSError as err:
+        raise RunDirectoryError(f"output_dir {cfg.output_dir}: can not create {run.path}: {err.strerror or err}") from None
     return run
 
 

@@ -32,9 +32,10 @@ def grpo_cli(*args: str, cwd: Path, timeout: float = 120, **env: str) -> subproc
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
-    lines = result.stderr.strip().splitlines()
+    """Exit 2, exactly one ``error:`` line naming the fault, no traceback (Prefect's progress lines may precede it)."""
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode == 2, result.stderr[-3000:]
-    assert lines and lines[-1].startswith("error: ") and fragment in lines[-1], result.stderr[-3000:]
+    assert len(errors) == 1 and fragment in errors[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
 
 
@@ -151,3 +152,53 @@ def test_summary_records_the_content_hash_of_the_data_trained_on(tmp_path):
     run.write_json("inputs.json", {"data_dir": prep["data_dir"], "plan_path": "unused"})
     summary = write_summary(cfg, run, TrainResult(1, 0.1, None, [], []), None, None, "tiny", 1.0)
     assert summary["data_content_hash"] == prep["content_hash"] and len(prep["content_hash"]) == 64
+
+
+# ---------------------------------------------------------------- errors a person can act on
+
+
+def _setup_bad_inputs(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    (tmp_path / "latin1.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
+    (tmp_path / "raises.py").write_text("raise RuntimeError('no GPU here')\n")
+    run = tmp_path / "runs" / "corrupt"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("grpo: [unclosed\n")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--set", "output_dir=a-file/runs"], "output_dir a-file/runs: a-file is not a directory"),
+    (["--config", "latin1.yaml"], "latin1.yaml: not UTF-8 text (line 1"),
+    (["--reward-module", "raises.py"], "--reward-module: importing raises.py failed: RuntimeError: no GPU here"),
+    (["--run-name", ""], "--run-name ''"),
+    (["--run-name", "corrupt", "--resume"], "corrupt/config.yaml is corrupt"),
+])
+def test_input_errors_are_one_line_exit_2(tmp_path, args, fragment):
+    """#12.8 and #12.11: each used to print a traceback and exit 1 (or, for --run-name "", start a default run)."""
+    _setup_bad_inputs(tmp_path)
+    config = [] if "--config" in args else ["--config", str(MICRO)]
+    result = grpo_cli("run", *config, "--set", "output_dir=runs", *args, cwd=tmp_path)
+    assert_one_line_error(result, fragment)
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["corrupt"]
+
+
+def test_a_data_error_in_the_flow_is_one_line_not_retried_and_does_not_block_a_rerun(tmp_path):
+    """#12.8-10: an all-bad data file fails once (no retries), the console shows one error line (the traceback is in
+    the run's log file), and the same command run again is not refused with 'already exists'."""
+    import time
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"prompt": "", "answer": "1"}) + "\n" for _ in range(20)))
+    args = ["run", "--config", str(MICRO), "--run-name", "bad", "--set", "output_dir=runs",
+            "--set", f"data.source={bad}"]
+    started = time.monotonic()
+    first = grpo_cli(*args, cwd=tmp_path, timeout=300)
+    assert_one_line_error(first, "no valid rows")
+    log = (tmp_path / "runs" / "bad" / "run.log").read_text()
+    assert "Traceback" in log and "DataError" in log
+    assert "Retrying" not in log + first.stderr and log.count("Traceback") <= 3
+    assert time.monotonic() - started < 150
+
+    second = grpo_cli(*args, cwd=tmp_path, timeout=300)
+    assert_one_line_error(second, "no valid rows")  # not "already exists; pass --resume"
