@@ -202,3 +202,56 @@ def test_a_data_error_in_the_flow_is_one_line_not_retried_and_does_not_block_a_r
 
     second = grpo_cli(*args, cwd=tmp_path, timeout=300)
     assert_one_line_error(second, "no valid rows")  # not "already exists; pass --resume"
+
+
+# ---------------------------------------------------------------- validation gaps
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("grpo.learning_rate=inf", "grpo.learning_rate"),
+    ("grpo.learning_rate=.nan", "grpo.learning_rate"),
+    ("grpo.max_steps=true", "grpo.max_steps: expected a number, got True"),
+    ("grpo={}", "an empty mapping would reset section grpo"),
+])
+def test_values_that_are_never_meant_are_refused(override, fragment):
+    """#12.12: each of these loaded before (inf/NaN as a learning rate, true as 1 step, a whole section reset)."""
+    from grpo.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(MICRO, [override])
+    assert fragment in str(err.value)
+
+
+def test_a_section_mapping_merges_and_an_empty_file_is_refused(tmp_path):
+    from grpo.errors import ConfigError
+
+    cfg = load_config(MICRO, ["grpo={learning_rate: 0.002}"])
+    assert cfg.grpo.learning_rate == 0.002 and cfg.grpo.max_steps == 12  # micro.yaml's other grpo fields stay
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match="the file is empty"):
+        load_config(tmp_path / "empty.yaml")
+
+
+def test_numeric_answers_are_normalised_and_bad_lines_quarantined_by_line(tmp_path):
+    """#12.12: ``28.0`` becomes ``"28"`` (so exact_match can match), ``Infinity`` is quarantined with its reason.
+    #12.13: one line that is not UTF-8 is quarantined with its line number; the other rows are kept."""
+    import pyarrow.parquet as pq
+
+    from grpo.prep import load_prepared, prepare_dataset
+
+    lines = [json.dumps({"prompt": f"q{i}", "answer": str(i)}).encode() for i in range(20)]
+    lines[3] = b'{"prompt": "q3", "answer": 28.0}'
+    lines[5] = b'{"prompt": "q5", "answer": Infinity}'
+    lines[7] = b'{"prompt": "caf\xe9", "answer": "7"}'  # latin-1, not UTF-8
+    source = tmp_path / "d.jsonl"
+    source.write_bytes(b"\n".join(lines) + b"\n")
+    result = prepare_dataset(DataConfig(source=str(source)), tmp_path / "out")
+
+    quarantine = {r["source_row"]: r for r in pq.read_table(result.paths["quarantine"]).to_pylist()}
+    assert sorted(quarantine) == [5, 7]
+    assert quarantine[5]["rules"] == ["answer_not_finite"] and "inf" in quarantine[5]["reason"]
+    assert quarantine[7]["rules"] == ["malformed_record"]
+    assert quarantine[7]["reason"].startswith("line 8: not valid UTF-8")
+    ds = load_prepared(result.out_dir)
+    answers = {p: a for split in ("train", "eval") for p, a in zip(ds[split]["prompt"], ds[split]["answer"])}
+    assert answers["q3"] == "28" and len(answers) == 18
