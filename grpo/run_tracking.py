@@ -11,7 +11,9 @@ from typing import Any
 
 from grpo.config import ExperimentConfig, flatten
 from grpo.runs import RunDir
-from grpo.tracking import MlflowTracker, log_model, tracker_from_config
+import yaml
+
+from grpo.tracking import MlflowTracker, log_model, redact, tracker_from_config
 
 
 def start_run_tracking(cfg: ExperimentConfig, run: RunDir, tags: Mapping[str, Any] | None = None
@@ -65,7 +67,10 @@ def eval_metrics(record: Mapping[str, Any], tag: str) -> dict[str, float]:
 def log_run_artifacts(tracker: MlflowTracker, cfg: ExperimentConfig, run: RunDir, data_dir: str | Path,
                       plan_path: str | Path) -> None:
     """Resolved config, dataset stats and quarantine, plan summary, eval sample tables, summary, and the model."""
-    tracker.log_artifact(run.config_file)
+    redacted = run.path / "tracking_spool" / "config.yaml"  # the resolved config, secrets masked (see redact)
+    redacted.parent.mkdir(parents=True, exist_ok=True)
+    redacted.write_text(yaml.safe_dump(redact("", cfg.model_dump(mode="json", by_alias=True)), sort_keys=False))
+    tracker.log_artifact(redacted)
     tracker.log_artifact(Path(data_dir) / "stats.json", "data")
     tracker.log_artifact(Path(data_dir) / "quarantine.jsonl", "data")
     tracker.log_artifact(Path(plan_path).with_name("plan.json"), "plan")

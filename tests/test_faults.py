@@ -255,3 +255,25 @@ def test_numeric_answers_are_normalised_and_bad_lines_quarantined_by_line(tmp_pa
     ds = load_prepared(result.out_dir)
     answers = {p: a for split in ("train", "eval") for p, a in zip(ds[split]["prompt"], ds[split]["answer"])}
     assert answers["q3"] == "28" and len(answers) == 18
+
+
+# ---------------------------------------------------------------- security
+
+
+def test_secrets_in_the_config_are_never_logged_to_mlflow(tmp_path):
+    """#12.14: grpo.extra.hub_token was logged as a plain-text MLflow param."""
+    from mlflow import MlflowClient
+
+    from grpo.run_tracking import start_run_tracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = load_config(MICRO, micro_overrides(tmp_path, **{
+        "grpo.extra": "{hub_token: hf_SECRETVALUE}", "tracking.backend": "mlflow", "tracking.tracking_uri": uri}))
+    run = open_run_dir(cfg, "secret", resume=False)
+    tracker = start_run_tracking(cfg, run)
+    try:
+        params = MlflowClient(uri).get_run(tracker.run_id).data.params
+    finally:
+        tracker.close()
+    assert params["grpo.extra.hub_token"] == "***" and params["grpo.learning_rate"]
+    assert "hf_SECRETVALUE" not in json.dumps(params)
