@@ -21,7 +21,7 @@ from grpo.config import ExperimentConfig, load_config, presets, resolve_config
 from grpo.experiment import write_summary
 from grpo.prep import load_prepared
 from grpo.runs import RunDir, open_run_dir
-from grpo.run_tracking import eval_metrics, log_numbers, log_run_artifacts, plan_metrics, prep_metrics, start_run_tracking
+from grpo.run_tracking import end_status, eval_metrics, log_numbers, log_run_artifacts, plan_metrics, prep_metrics, start_run_tracking
 from grpo.tracking import MlflowCallback, MlflowTracker
 from grpo.train import train_grpo
 
@@ -100,7 +100,7 @@ def grpo_pipeline(
         "prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": flow_run_name,
         "prefect.deployment": _deployment_name(), "prefect.ui_url": _ui_url(flow_run_id), **(tracking_tags or {})})
     mlflow_run_id = tracker.run_id if tracker is not None else None
-    finished = False
+    finished, error, was_finished = False, None, resume and run.summary_file.is_file()
     if tracker is not None:
         _TRACKERS[str(run.path)] = tracker
         create_link_artifact(key="mlflow-run", link=mlflow_run_url(tracker.tracking_uri, tracker.experiment_id,
@@ -137,10 +137,13 @@ def grpo_pipeline(
         create_markdown_artifact(key="grpo-run-summary", markdown=summarize_for_ui(summary), description="GRPO run")
         finished = True
         return summary
+    except BaseException as err:
+        error = err
+        raise
     finally:
         if tracker is not None:
             _TRACKERS.pop(str(run.path), None)
-            tracker.close(status="FINISHED" if finished else "FAILED")  # a failed pipeline is a FAILED MLflow run
+            tracker.close(status=end_status(finished, error, was_finished))
 
 
 def mlflow_run_url(tracking_uri: str, experiment_id: str | None, run_id: str) -> str:

@@ -27,6 +27,7 @@ import grpo.prep
 import grpo.stages
 import grpo.tasks
 from grpo.config import ExperimentConfig
+from grpo.errors import GRPOPlatformError
 from grpo.policy import cache_root
 from grpo.runs import RunDir
 
@@ -59,8 +60,10 @@ PLAN_CODE = (grpo.plan, grpo.stages)
 
 
 def prep_dir_for(cfg: ExperimentConfig) -> Path:
-    """Content-addressed location of prepared data: the same data config and code always land in one place."""
-    return cache_root() / "prepared" / _key("prep", cfg.data.model_dump(mode="json"), PREP_CODE)
+    """Content-addressed location of prepared data: the same data config, source contents and code always land in
+    one place, and an edited source file lands in a new one (the prep task's cache key includes this path)."""
+    payload = {**cfg.data.model_dump(mode="json"), "source_fingerprint": grpo.prep.source_fingerprint(cfg.data)}
+    return cache_root() / "prepared" / _key("prep", payload, PREP_CODE)
 
 
 def plan_dir_for(cfg: ExperimentConfig, data_hash: str) -> Path:
@@ -73,7 +76,14 @@ def plan_dir_for(cfg: ExperimentConfig, data_hash: str) -> Path:
     return cache_root() / "plans" / _key("plan", payload, PLAN_CODE)
 
 
-@task(name="prepare-dataset", cache_key_fn=_cached_dir_key("prep", PREP_CODE), persist_result=True)
+def transient(task, task_run, state) -> bool:
+    """Retry condition: only faults that may pass (I/O, a flaky hub); never an input error (:class:`DataError`,
+    :class:`ConfigError`), which would fail the same way again after the delay."""
+    return not isinstance(state.data, GRPOPlatformError)
+
+
+@task(name="prepare-dataset", cache_key_fn=_cached_dir_key("prep", PREP_CODE), persist_result=True, retries=2,
+      retry_delay_seconds=5, retry_condition_fn=transient)
 def prepare_task(data_config: dict, out_dir: str, config: ExperimentConfig) -> dict:
     stats = Path(out_dir) / "stats.json"
     if stats.is_file():  # content-addressed: same data config and code, same output (also without Prefect's cache)
@@ -81,9 +91,10 @@ def prepare_task(data_config: dict, out_dir: str, config: ExperimentConfig) -> d
     return grpo.stages.prep_stage(config, Path(out_dir))
 
 
-@flow(name="grpo-prep", retries=2, retry_delay_seconds=5)
+@flow(name="grpo-prep")
 def prep_flow(config: ExperimentConfig) -> dict:
-    """Validate and prepare the dataset (cached on the data config and prep code)."""
+    """Validate and prepare the dataset (cached on the data config, source contents and prep code; the prep task
+    retries transient faults only)."""
     out_dir = prep_dir_for(config)
     # a cached result points at a directory; if that was deleted, recompute instead of returning a dangling path
     task_ = prepare_task.with_options(refresh_cache=not _complete(out_dir, "stats.json"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ app = typer.Typer(
     help="GRPO experiment platform: config-driven GRPO training on TRL.",
 )
 
+PREFECT_STARTUP_SECONDS = 120
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="Experiment YAML, e.g. configs/tiny.yaml.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a field: section.field=value (repeatable).")]
 RewardModuleOpt = Annotated[
@@ -28,6 +30,50 @@ RewardModuleOpt = Annotated[
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code=2)
+
+
+class _RunLogHandler(logging.FileHandler):
+    """The run's log file; its directory is created on the first record (after the run directory was checked)."""
+
+    def _open(self):
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
+class _NoTraceback(logging.Formatter):
+    """Formats as ``inner`` does, without the traceback: the console shows what happened, the run's log file how."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
+def _not_an_exception_report(record: logging.LogRecord) -> bool:
+    # Prefect logs each exception that ends a (sub)flow at ERROR with its traceback; the CLI's last line says it once.
+    return not (record.levelno >= logging.ERROR and record.exc_info)
+
+
+def _log_to_file(path: Path) -> None:
+    """Send every log record (Prefect's and ours, tracebacks included) to ``path``; keep the console to one line
+    per record with no tracebacks, so a failed run ends with the CLI's one-line error."""
+    handler = _RunLogHandler(path, delay=True, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s - %(message)s"))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger()
+    for logger in (root, logging.getLogger("prefect")):
+        for h in logger.handlers:
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                h.setFormatter(_NoTraceback(h.formatter))
+                h.addFilter(_not_an_exception_report)
+    root.addHandler(handler)
 
 
 def _load(config: Path | None, overrides: list[str] | None, reward_modules: list[Path] | None):
@@ -54,10 +100,12 @@ def run(
     try:
         cfg = _load(config, set_, reward_module)
         from grpo import distributed
-        from grpo.runs import check_run_dir, default_run_name, open_run_dir
+        from grpo.runs import check_run_dir, default_run_name, open_run_dir, validate_run_name
 
         if resume and not run_name:
             _fail("--resume needs --run-name NAME of the run to continue")
+        if run_name is not None:
+            validate_run_name(run_name)  # "" is a mistake, not a request for a generated name
         if distributed.launched_world_size() > 1:
             distributed.init_process_group()
             name = distributed.decide_on_main(lambda: run_name or default_run_name(cfg))
@@ -72,9 +120,16 @@ def run(
             typer.echo(f"run: {run_dir.path}")
             from flows.pipeline import grpo_pipeline
 
+            _log_to_file(run_dir.path / "run.log")
             summary = grpo_pipeline(config=cfg, run_name=name, resume=resume)
     except GRPOPlatformError as err:
         _fail(str(err))
+    except RuntimeError as err:
+        if "ephemeral Prefect API server" not in str(err):
+            raise
+        _fail(f"the embedded Prefect server did not start within "
+              f"{os.environ.get('PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS')} s (machine busy?); retry, raise "
+              "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or start one with `grpo ui` and set PREFECT_API_URL")
     if summary is None:  # a non-main rank of a multi-process run: rank 0 reports
         return
     before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]
@@ -301,6 +356,8 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network here; don't try to phone home
+    # Prefect's default start-up budget for its ephemeral API server (20 s) is missed on a busy 2-core machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(PREFECT_STARTUP_SECONDS))
     try:
         app()
     except KeyboardInterrupt:

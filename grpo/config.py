@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from grpo.errors import ConfigError
 
@@ -25,8 +25,19 @@ ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_
 class _Section(BaseModel):
     # Attribute docstrings become field descriptions: the Prefect UI shows them under each form field.
     model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, populate_by_name=True, use_attribute_docstrings=True
+        extra="forbid", validate_assignment=True, populate_by_name=True, use_attribute_docstrings=True,
+        allow_inf_nan=False,  # learning_rate=inf or .nan is a typo, never a setting
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML's ``true`` would pass as 1 for an int field (``max_steps: true``): refuse it."""
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            if annotation in (int, float, int | None, float | None):
+                raise ValueError(f"expected a number, got {value!r}")
+        return value
 
 
 class DataConfig(_Section):
@@ -506,7 +517,19 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+def _is_section(path: list[str]) -> bool:
+    model: type[BaseModel] = ExperimentConfig
+    for part in path:
+        field = {f.alias or n: f for n, f in model.model_fields.items()}.get(part)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return False
+        model = field.annotation
+    return True
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Set each ``key=value``. A mapping given for a whole section is merged into it field by field; an empty one
+    (``grpo={}``) is refused, since replacing the section would silently reset all its fields to defaults."""
     for item in overrides:
         path, value = parse_override(item)
         node = data
@@ -515,7 +538,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise ConfigError(f"--set {item!r}: {part} is not a section")
             node = child
-        node[path[-1]] = value
+        if isinstance(value, dict) and _is_section(path):
+            if not value:
+                raise ConfigError(f"--set {item!r}: an empty mapping would reset section {'.'.join(path)} to its "
+                                  f"defaults; set fields one by one ({'.'.join(path)}.FIELD=VALUE)")
+            current = node.get(path[-1])
+            node[path[-1]] = {**current, **value} if isinstance(current, dict) else value
+        else:
+            node[path[-1]] = value
     return data
 
 
@@ -524,6 +554,16 @@ def config_from_dict(data: dict, source: str = "config") -> ExperimentConfig:
         return ExperimentConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(f"{source}: {_format_validation_error(err)}") from None
+
+
+def read_text_file(path: Path) -> str:
+    """A config file's text; a file that is not UTF-8 is a :class:`ConfigError` naming the line, not a traceback."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: not UTF-8 text (line {line}: byte {data[err.start]:#04x}); save it as UTF-8") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
@@ -536,14 +576,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = yaml.safe_load(read_text_file(path))
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ConfigError(f"{path}: YAML syntax error{where}: {problem}") from None
         if loaded is None:
-            loaded = {}
+            raise ConfigError(f"{path}: the file is empty (no sections); write the settings to change, or start from "
+                              "a preset such as configs/tiny.yaml")
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections (data, model, grpo, ...)")
         data = loaded

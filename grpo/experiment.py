@@ -6,13 +6,15 @@ This is the in-process recipe (also what every rank runs under ``torchrun``); th
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from collections.abc import Callable
 
 from grpo import distributed
 from grpo.config import ExperimentConfig
 from grpo.prep import load_prepared
-from grpo.run_tracking import eval_metrics, log_numbers, log_run_artifacts, plan_metrics, prep_metrics, start_run_tracking
+from grpo.run_tracking import end_status, eval_metrics, log_numbers, log_run_artifacts, plan_metrics, prep_metrics, start_run_tracking
 from grpo.runs import RunDir
 from grpo.stages import eval_stage, plan_stage, policy_stage, prep_stage, trained_policy
 from grpo.tracking import MlflowCallback
@@ -33,14 +35,17 @@ def run_experiment(
         log = lambda *_: None  # noqa: E731 - rank 0 speaks for the run
     # Rank 0 tracks the run in MLflow, as the Prefect pipeline does (same names; see grpo/run_tracking.py).
     tracker = start_run_tracking(cfg, run, tags={"grpo.world_size": str(distributed.launched_world_size())}) if main else None
-    finished = False
+    finished, error, was_finished = False, None, resume and run.summary_file.is_file()
     try:
         summary = _stages(cfg, run, resume, log, main, tracker, callbacks, started)
         finished = True
         return summary
+    except BaseException as err:
+        error = err
+        raise
     finally:
         if tracker is not None:
-            tracker.close(status="FINISHED" if finished else "FAILED")
+            tracker.close(status=end_status(finished, error, was_finished))
 
 
 def _stages(cfg, run, resume, log, main, tracker, callbacks, started) -> dict | None:
@@ -100,7 +105,7 @@ def write_summary(cfg: ExperimentConfig, run: RunDir, result: TrainResult, befor
         "run_name": run.path.name,
         "run_dir": str(run.path),
         "steps": result.steps,
-        "data_content_hash": (run.read_json("data/stats.json") or {}).get("content_hash"),
+        "data_content_hash": _data_content_hash(run),
         "wall_seconds": round(wall_seconds, 2),
         "train_seconds": round(result.seconds, 2),
         "policy_source": policy_source,
@@ -116,3 +121,11 @@ def write_summary(cfg: ExperimentConfig, run: RunDir, result: TrainResult, befor
     }
     run.write_json("summary.json", summary)
     return summary
+
+
+def _data_content_hash(run: RunDir) -> str | None:
+    """The content hash of the prepared data this run trained on: ``inputs.json`` names the data directory (the
+    run's own ``data/`` in-process, the shared prep cache under Prefect) and its ``stats.json`` holds the hash."""
+    data_dir = run.inputs().get("data_dir")
+    stats = Path(data_dir) / "stats.json" if data_dir else None
+    return json.loads(stats.read_text()).get("content_hash") if stats is not None and stats.is_file() else None

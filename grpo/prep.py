@@ -9,6 +9,7 @@ so a run can record exactly which data it trained on and caches can key on it.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import math
@@ -42,6 +43,7 @@ RULES: dict[str, str] = {
     "prompt_too_long": "prompt longer than max_prompt_chars",
     "answer_present": "answer missing or null",
     "answer_type": "answer is not a string or number",
+    "answer_not_finite": "answer is a non-finite number (Infinity); no completion can match it",
     "answer_regex": "answer does not match answer_regex",
     "answer_empty": "answer (after answer_regex) empty or whitespace only",
     "answer_too_long": "answer (after answer_regex) longer than max_answer_chars",
@@ -201,6 +203,31 @@ def content_hash(tables: dict[str, pyarrow.Table]) -> str:
     return h.hexdigest()
 
 
+def source_fingerprint(cfg: DataConfig) -> dict[str, Any]:
+    """What identifies the source's *contents*, for cache keys: a path string alone would let an edited file be
+    served from the cache of its old contents. Local files: size, mtime and a sha256 of the bytes (the hash decides;
+    size and mtime make the record readable). Hub sources: the revision the local hub cache resolves ``main`` to
+    (None before the first download, so the key settles once the data is cached). Synthetic: the config says all."""
+    if cfg.synthetic:
+        return {}
+    if cfg.source.startswith("hub:"):
+        return {"revision": _hub_revision(cfg.source[4:])}
+    path = Path(cfg.source)
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": h.hexdigest()}
+
+
+def _hub_revision(dataset_id: str) -> str | None:
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    ref = Path(HF_HUB_CACHE) / f"datasets--{dataset_id.replace('/', '--')}" / "refs" / "main"
+    return ref.read_text().strip() if ref.is_file() else None
+
+
 # ---------------------------------------------------------------- loading raw rows
 
 
@@ -268,13 +295,13 @@ def _from_splits(cfg: DataConfig, splits: dict[str, list[dict[str, Any]]]) -> _R
 def _read_file(path: Path) -> list[tuple[int, dict[str, Any] | str]]:
     """``(source_row, record or parse error)`` for every row: JSONL line index, JSON item, CSV/parquet data row."""
     if path.suffix == ".jsonl":
-        return _parse_json_lines(path.read_text(encoding="utf-8-sig"))
+        return _parse_json_lines(path.read_bytes())
     if path.suffix == ".json":
-        text = path.read_text(encoding="utf-8-sig")
+        raw = path.read_bytes()
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
-            return _parse_json_lines(text)  # JSON lines in a .json file, as the datasets json builder accepts
+            data = json.loads(raw.decode("utf-8-sig"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return _parse_json_lines(raw)  # JSON lines in a .json file, as the datasets json builder accepts
         if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
             lengths = {len(v) for v in data.values()}
             if len(lengths) != 1:
@@ -290,9 +317,17 @@ def _read_file(path: Path) -> list[tuple[int, dict[str, Any] | str]]:
     return list(enumerate(pd.read_csv(path, dtype=object, keep_default_na=False).to_dict("records")))
 
 
-def _parse_json_lines(text: str) -> list[tuple[int, dict[str, Any] | str]]:
+def _parse_json_lines(data: bytes) -> list[tuple[int, dict[str, Any] | str]]:
+    """Decoded line by line, so one line that is not UTF-8 is one quarantined row (with its line number), not a
+    rejected file."""
     rows: list[tuple[int, dict[str, Any] | str]] = []
-    for i, line in enumerate(text.split("\n")):  # not splitlines(): U+2028 etc. are legal inside JSON strings
+    data = data.removeprefix(codecs.BOM_UTF8)
+    for i, raw in enumerate(data.split(b"\n")):  # not splitlines(): U+2028 etc. are legal inside JSON strings
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            rows.append((i, f"line {i + 1}: not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})"))
+            continue
         if not line.strip():
             continue
         try:
@@ -313,11 +348,22 @@ def _null_to_none(value: Any) -> Any:
 
 
 def _answer_value(value: Any) -> Any:
-    """Numbers become their text (``42`` -> ``"42"``), as rewards compare text; anything else is judged as is."""
+    """Numbers become their text as a person writes it (``42`` and ``28.0`` -> ``"42"``, ``"28"``; ``2.5`` ->
+    ``"2.5"``), as rewards compare text and a completion never says ``28.0``. Infinity stays a float, for the
+    ``answer_not_finite`` rule; anything else is judged as is."""
     value = _null_to_none(value)
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
+        if isinstance(value, float):
+            if math.isinf(value):
+                return value
+            if value.is_integer():
+                return str(int(value))
         return str(value)
     return value
+
+
+def _is_inf(value: Any) -> bool:
+    return isinstance(value, float) and math.isinf(value)
 
 
 def _compile_answer_regex(regex: str | None) -> re.Pattern[str] | None:
@@ -368,7 +414,8 @@ def _schema(limits: _Limits) -> pa.DataFrameSchema:
             ]),
             "answer": pa.Column(nullable=True, checks=[
                 check("answer_present", lambda v: v is not None),
-                check("answer_type", lambda v: v is None or isinstance(v, str)),
+                check("answer_type", lambda v: v is None or isinstance(v, str) or _is_inf(v)),
+                check("answer_not_finite", lambda v: not _is_inf(v)),
                 check("answer_regex", lambda v: pattern is None or not isinstance(v, str) or bool(pattern.search(v))),
                 check("answer_empty", lambda v: (e := extracted(v)) is None or bool(e.strip())),
                 check("answer_too_long", lambda v: (e := extracted(v)) is None or len(e) <= max_answer),
@@ -467,6 +514,8 @@ def _reason(rule: str, i: int, cfg: DataConfig, raw: _Raw, frame: pd.DataFrame, 
             return f"prompt column {pc} must be a string, got {type(prompt).__name__}"
         case "answer_type":
             return f"answer column {ac} must be a string or a number, got {type(answer).__name__}"
+        case "answer_not_finite":
+            return f"answer column {ac} is {answer!r}, not a finite number; no completion can match it"
         case "prompt_empty":
             return f"prompt column {pc} is empty or whitespace only"
         case "prompt_too_long":

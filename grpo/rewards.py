@@ -74,7 +74,11 @@ def load_reward_module(path: str | Path, source: str = "--reward-module") -> lis
         raise ConfigError(f"{source}: cannot import {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # so worker processes can unpickle its functions
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:  # the user's code: any error is theirs to fix, named in one line
+        sys.modules.pop(module_name, None)
+        raise ConfigError(f"{source}: importing {path} failed: {type(err).__name__}: {err}") from None
     return sorted(set(_REGISTRY) - before)
 
 

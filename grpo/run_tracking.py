@@ -12,7 +12,9 @@ from typing import Any
 
 from grpo.config import ExperimentConfig, flatten
 from grpo.runs import RunDir
-from grpo.tracking import MlflowTracker, log_model, tracker_from_config
+import yaml
+
+from grpo.tracking import MlflowTracker, log_model, redact, tracker_from_config
 
 
 # The packages a result depends on, recorded as ``grpo.version.<name>`` run tags (absent ones are left out).
@@ -44,6 +46,17 @@ def start_run_tracking(cfg: ExperimentConfig, run: RunDir, tags: Mapping[str, An
     return tracker
 
 
+def end_status(finished: bool, error: BaseException | None, was_finished: bool) -> str:
+    """The MLflow status a pipeline attempt leaves: FINISHED when it finished; KILLED when a signal (Ctrl-C,
+    SIGTERM) stopped it; FAILED otherwise, except that a resume of a run that had already finished (its
+    ``summary.json`` existed before the attempt) leaves it FINISHED: a failed retry does not undo a finished run."""
+    if finished:
+        return "FINISHED"
+    if error is not None and not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit, TerminationSignal
+        return "KILLED"
+    return "FINISHED" if was_finished else "FAILED"
+
+
 def log_numbers(tracker: MlflowTracker | None, metrics: Mapping[str, Any], step: int = 0) -> None:
     if tracker is not None:
         tracker.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
@@ -72,7 +85,10 @@ def eval_metrics(record: Mapping[str, Any], tag: str) -> dict[str, float]:
 def log_run_artifacts(tracker: MlflowTracker, cfg: ExperimentConfig, run: RunDir, data_dir: str | Path,
                       plan_path: str | Path) -> None:
     """Resolved config, dataset stats and quarantine, plan summary, eval sample tables, summary, and the model."""
-    tracker.log_artifact(run.config_file)
+    redacted = run.path / "tracking_spool" / "config.yaml"  # the resolved config, secrets masked (see redact)
+    redacted.parent.mkdir(parents=True, exist_ok=True)
+    redacted.write_text(yaml.safe_dump(redact("", cfg.model_dump(mode="json", by_alias=True)), sort_keys=False))
+    tracker.log_artifact(redacted)
     tracker.log_artifact(Path(data_dir) / "stats.json", "data")
     tracker.log_artifact(Path(data_dir) / "quarantine.jsonl", "data")
     tracker.log_artifact(Path(plan_path).with_name("plan.json"), "plan")

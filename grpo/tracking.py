@@ -103,6 +103,20 @@ def sanitize_metric_key(key: str) -> str:
     return out[:MAX_ENTITY_KEY_LENGTH]
 
 
+_SECRET_KEY = re.compile(r"token|secret|passw|api_?key|credential|private_key", re.IGNORECASE)
+REDACTED = "***"
+
+
+def redact(key: str, value: Any) -> Any:
+    """``value`` with secrets masked: a token/secret/password-like key's value, recursively inside mappings, so a
+    ``grpo.extra.hub_token`` never reaches a tracking store in plain text."""
+    if _SECRET_KEY.search(str(key).rsplit(".", 1)[-1]) and value not in (None, ""):
+        return REDACTED
+    if isinstance(value, Mapping):
+        return {k: redact(str(k), v) for k, v in value.items()}
+    return value
+
+
 def param_value(value: Any) -> str:
     """MLflow param value: strings as is, scalars via ``str``, lists/dicts as compact JSON; cut at MLflow's limit."""
     if isinstance(value, str):
@@ -322,7 +336,7 @@ class MlflowTracker:
         existing = run.data.params
         todo = []
         for key, value in (params or {}).items():
-            text = param_value(value)
+            text = param_value(redact(key, value))
             if key in existing:
                 if existing[key] != text:
                     _log.warning("MLflow param %s is already %r in run %s; keeping it (new value %r)",
@@ -752,7 +766,7 @@ class MlflowTracker:
 
         def do() -> None:
             existing = self.client.get_run(self.run_id).data.params
-            todo = [Param(k, param_value(v)) for k, v in params.items() if k not in existing]
+            todo = [Param(k, param_value(redact(k, v))) for k, v in params.items() if k not in existing]
             self._log_batch_sync(self.run_id, params=todo)
 
         return self._guard("log_params", do)

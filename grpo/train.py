@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,9 +53,9 @@ class MetricsRecorder(TrainerCallback):
         self.names: set[str] = set()
 
     def on_train_begin(self, args, state, control, **kwargs):
-        # A resumed run re-runs the steps after its checkpoint: drop what the killed attempt logged for them, so the
-        # file holds each step once.
-        if state.is_world_process_zero and self.path.is_file() and state.global_step > 0:
+        # A resumed run re-runs the steps after its checkpoint (all of them when it was killed before the first
+        # one, global_step 0): drop what the killed attempt logged for them, so the file holds each step once.
+        if state.is_world_process_zero and self.path.is_file():
             keep = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= state.global_step]
             self.path.write_text("".join(line + "\n" for line in keep))
@@ -66,6 +67,10 @@ class MetricsRecorder(TrainerCallback):
         self.names.update(clean)
         with self.path.open("a") as f:
             f.write(json.dumps({"step": state.global_step, "metrics": clean}) + "\n")
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -100,7 +105,7 @@ def train_grpo(
         experiment=cfg,
         plan_path=plan_path,
     )
-    checkpoint = run.latest_checkpoint() if resume else None
+    checkpoint = run.latest_checkpoint(report=_warn) if resume else None
     try:
         trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     finally:

@@ -118,4 +118,5 @@ def test_yaml_file_errors(tmp_path):
         load_config(typo)
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
-    assert load_config(empty) == load_config(None)
+    with pytest.raises(ConfigError, match="the file is empty"):  # issue #12.12: all defaults, nothing said
+        load_config(empty)

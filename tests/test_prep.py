@@ -64,6 +64,7 @@ def test_quarantine_lists_every_rule_of_every_bad_row(tmp_path):
         ({"question": None, "id": 112}, ["prompt_present", "answer_present"]),
         ("{broken json", ["malformed_record"]),
         ("[1, 2]", ["malformed_record"]),
+        ({"question": "infinite", "solution": float("inf"), "id": 113}, ["answer_not_finite"]),
     ]
     rows = good[:4] + [r for r, _ in bad] + good[4:]
     path = write_jsonl(tmp_path / "qa.jsonl", rows)

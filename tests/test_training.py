@@ -102,11 +102,14 @@ def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path
 
 def test_a_half_written_checkpoint_is_never_the_resume_point(tmp_path):
     """A process killed while saving leaves a checkpoint directory without trainer_state.json (written last)."""
+    import torch
+    from safetensors.torch import save_file
+
     run = RunDir(tmp_path / "run")
     for step, complete in ((4, True), (8, True), (12, False)):
         ckpt = run.checkpoints / f"checkpoint-{step}"
         ckpt.mkdir(parents=True)
-        (ckpt / "model.safetensors").write_bytes(b"partial")
+        save_file({"w": torch.zeros(2)}, str(ckpt / "model.safetensors"))
         if complete:
             (ckpt / "trainer_state.json").write_text("{}")
     assert run.latest_checkpoint() == run.checkpoints / "checkpoint-8"
