@@ -1,0 +1,61 @@
+"""Evaluation numbers against known answers: accuracy is the fraction of greedy completions scored >= 1, pass@k the
+fraction of prompts with any of their k samples scored >= 1."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo.evaluation import evaluate_policy, generate_completions
+from grpo.tiny_model import build_char_tokenizer, build_tiny_qwen2
+
+PROMPTS = ["12+34=", "5+6=", "70+8=", "9+9=", "1+1=", "23+45="]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    tokenizer = build_char_tokenizer("0123456789+=")
+    model = build_tiny_qwen2(tokenizer, 32, 1, 2, 64, 32, seed=0)  # untrained: its completions are arbitrary
+    return model, tokenizer
+
+
+def test_accuracy_is_the_fraction_of_greedy_completions_scored_correct(policy):
+    model, tokenizer = policy
+    greedy = [c[0] for c in generate_completions(model, tokenizer, PROMPTS, 4, 4, do_sample=False)]
+    # The answer equals the model's own greedy completion for prompts 0, 2, 5 only: those 3 of 6 are correct.
+    answers = [g if i in (0, 2, 5) else g + "x" for i, g in enumerate(greedy)]
+    seen_scores = []
+
+    def same(prompts, completions, answer, **_):
+        scores = [1.0 if c == a else 0.99 for c, a in zip(completions, answer)]  # 0.99 is not full marks
+        seen_scores.append(scores)
+        return scores
+
+    result = evaluate_policy(model, tokenizer, PROMPTS, answers, same, max_new_tokens=4, batch_size=4)
+    assert result.accuracy == pytest.approx(3 / 6) and result.pass_at_k is None
+    assert [s["correct"] for s in result.samples] == [True, False, True, False, False, True]
+    assert [s["completion"] for s in result.samples] == greedy  # batching (4 then 2) keeps the prompt order
+
+
+def test_pass_at_k_counts_prompts_with_any_correct_sample(policy):
+    model, tokenizer = policy
+    k = 4
+    calls = []
+
+    def known_hits(prompts, completions, answer, **_):
+        calls.append(len(completions))
+        if len(completions) == len(PROMPTS):  # the greedy pass: nothing correct
+            return [0.0] * len(completions)
+        # Sampled pass: k completions per prompt, in prompt order; only sample 2 of prompts 1 and 4 is correct,
+        # and prompt 3's samples score None (unscorable) except one 1.0.
+        scores = []
+        for i in range(len(PROMPTS)):
+            for j in range(k):
+                hit = (i in (1, 4) and j == 2) or (i == 3 and j == 0)
+                scores.append(1.0 if hit else (None if i == 3 else 0.5))
+        return scores
+
+    result = evaluate_policy(model, tokenizer, PROMPTS, ["0"] * len(PROMPTS), known_hits, max_new_tokens=3,
+                             batch_size=8, pass_k=k)
+    assert calls == [len(PROMPTS), len(PROMPTS) * k]
+    assert result.accuracy == 0.0 and result.pass_at_k == pytest.approx(3 / 6) and result.k == k
+    assert result.as_metrics() == {"eval/accuracy": 0.0, f"eval/pass@{k}": pytest.approx(0.5)}
