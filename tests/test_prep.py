@@ -173,16 +173,18 @@ def test_duplicate_policies(tmp_path, policy):
         assert answers == ["1", "2", "3", "4"]
 
 
-def test_duplicates_across_hub_splits_leave_eval(tmp_path, monkeypatch):
-    def fake_load_dataset(name, config=None):
-        assert (name, config) == ("org/qa", "main")
-        return datasets.DatasetDict(
-            train=datasets.Dataset.from_dict({"question": ["a", "b"], "answer": ["#### 1", "#### 2"]}),
-            test=datasets.Dataset.from_dict({"question": ["b", "c"], "answer": ["#### 2", "#### 3"]}),
-        )
-
-    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    cfg = DataConfig(source="hub:org/qa", hub_config="main", prompt_column="question", answer_regex="#### (.*)")
+def test_duplicates_across_hub_splits_leave_eval(tmp_path):
+    """A dataset in the Hub's layout (a config with train/test parquet splits), read by the real ``load_dataset``
+    offline from a local folder, as a ``hub:`` source."""
+    repo = tmp_path / "org" / "qa"
+    (repo / "main").mkdir(parents=True)
+    for split, rows in (("train", {"question": ["a", "b"], "answer": ["#### 1", "#### 2"]}),
+                        ("test", {"question": ["b", "c"], "answer": ["#### 2", "#### 3"]})):
+        datasets.Dataset.from_dict(rows).to_parquet(repo / "main" / f"{split}-00000-of-00001.parquet")
+    (repo / "README.md").write_text("---\nconfigs:\n- config_name: main\n  data_files:\n"
+                                    "  - split: train\n    path: main/train-*.parquet\n"
+                                    "  - split: test\n    path: main/test-*.parquet\n---\n")
+    cfg = DataConfig(source=f"hub:{repo}", hub_config="main", prompt_column="question", answer_regex="#### (.*)")
     result = prepare_dataset(cfg, tmp_path / "out")
     q = pq.read_table(result.paths["quarantine"]).to_pylist()
     assert [(r["split"], r["source_row"], r["rules"]) for r in q] == [("eval", 0, ["duplicate_prompt"])]
