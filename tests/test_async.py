@@ -38,10 +38,17 @@ def test_prefetched_rollouts_are_one_version_old_and_logged(tmp_path):
 
 
 def test_rollouts_older_than_max_staleness_are_dropped_and_regenerated(tmp_path):
-    run, summary, rows = async_run(tmp_path, "strict", **{"async.max_staleness": 0})
+    run, summary, rows = async_run(tmp_path, "strict", **{
+        "async.max_staleness": 0, "async.vllm_importance_sampling_correction": "true"})
     staleness = [r["async/staleness_max"] for r in rows if "async/staleness_max" in r]
     assert staleness and max(staleness) == 0  # nothing older than allowed was ever trained on
     assert sum(r.get("async/dropped_stale", 0) for r in rows) == 7  # every prefetched round after the first
+    # Not only the version label: the generator really sampled from the trainer's current weights, so the
+    # importance ratio pi_train / pi_generator is 1 on every token (wrong weights pushed would move it).
+    for key in ("min", "max"):
+        ratios = [r[f"sampling/importance_sampling_ratio/{key}"] for r in rows
+                  if f"sampling/importance_sampling_ratio/{key}" in r]
+        assert len(ratios) == 8 and all(abs(v - 1.0) < 1e-5 for v in ratios), (key, ratios)
 
 
 def test_two_process_async_training_neither_hangs_nor_shares_data(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -83,10 +84,17 @@ def test_async_training_with_is_mask_runs_end_to_end(tmp_path):
     cfg = load_config(MICRO, micro_overrides(tmp_path, **{
         "async.use_data_producer": "true", "async.async_prefetch": "true",
         "async.vllm_importance_sampling_correction": "true", "async.vllm_importance_sampling_mode": "token_mask",
+        "async.vllm_importance_sampling_cap": 1.0, "async.max_staleness": 1,
         "async.off_policy_mask_threshold": 1.0, "grpo.max_steps": 4, "grpo.logging_steps": 1,
         "evaluation.enabled": "false"}))
     run = open_run_dir(cfg, "is", resume=False)
     summary = run_experiment(cfg, run, log=lambda *_: None)
     assert summary["steps"] == 4
-    assert "sampling/importance_sampling_ratio/mean" in summary["metrics"]
-    assert "sampling/is_frac_masked" in summary["metrics"]
+    rows = [json.loads(line)["metrics"] for line in run.metrics_file.read_text().splitlines()]
+    masked = [r["sampling/is_frac_masked"] for r in rows if "sampling/is_frac_masked" in r]
+    means = [r["sampling/importance_sampling_ratio/mean"] for r in rows
+             if "sampling/importance_sampling_ratio/mean" in r]
+    assert len(masked) == len(means) == 4
+    # One-step-stale rollouts: ratios scatter around 1, so a cap of 1.0 masks some tokens and keeps others.
+    assert all(0.0 <= f <= 1.0 for f in masked) and max(masked) > 0.0 and min(masked) < 1.0, masked
+    assert all(abs(m - 1.0) < 0.25 for m in means), means
