@@ -33,24 +33,58 @@ def gradients(trainer: GRPOTrainer, batch) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]), loss.detach()
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
-def test_chunked_backward_gradients_equal_unchunked(tmp_path, loss_type):
-    trainer = make_trainer(tmp_path, **{"grpo.loss_type": loss_type, "grpo.per_device_train_batch_size": 16,
-                                        "grpo.num_generations": 8, "grpo.temperature": 1.5})
+LOSS_TYPES = ["dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One trainer and one scored batch (16 rows, 2 groups of 8) for every gradient comparison below; the loss
+    options are switched on the trainer's attributes, which is where TRL's loss reads them."""
+    trainer = make_trainer(tmp_path_factory.mktemp("loss"), **{"grpo.per_device_train_batch_size": 16,
+                                                             "grpo.num_generations": 8, "grpo.temperature": 1.5})
     torch.manual_seed(0)
     rows = [trainer.train_dataset[i] for i in range(2) for _ in range(8)]
     batch = trainer.assemble_generation_batch(rows)
     if float(batch["advantages"].abs().sum()) == 0:
         batch["advantages"] = torch.linspace(-1, 1, batch["advantages"].numel())  # make sure there is signal
+    with torch.no_grad():  # an older policy's log-probs, so ratios differ from 1 and clipping/IS weights matter
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, batch["completion_ids"].shape[1])
+    batch["old_per_token_logps"] = logps + 0.05 * torch.randn(logps.shape, generator=torch.Generator().manual_seed(1))
+    return trainer, batch
+
+
+def configure(trainer: GRPOTrainer, loss_type: str, entropy_coef: float = 0.0, top_entropy_quantile: float = 1.0):
+    trainer.loss_type = loss_type
+    trainer.importance_sampling_level = "sequence" if loss_type == "luspo" else "token"
+    trainer.entropy_coef = entropy_coef
+    trainer._entropy_bonus_enabled = entropy_coef != 0.0
+    trainer.top_entropy_quantile = top_entropy_quantile
+    trainer.experiment.grpo.num_generations_chunks = 1
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("entropy", [{}, {"entropy_coef": 0.5}, {"top_entropy_quantile": 0.5},
+                                     {"entropy_coef": 0.5, "top_entropy_quantile": 0.5}], ids=str)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_chunked_backward_gradients_equal_unchunked(shared, loss_type, entropy):
+    """Every loss type, with and without TRL's entropy bonus and high-entropy token mask: chunked backward gives the
+    unchunked gradient (and loss)."""
+    trainer, batch = shared
+    configure(trainer, loss_type, **entropy)
     full, full_loss = gradients(trainer, batch)
     assert full.abs().sum() > 0
-    for chunks in (2, 4, 8):
+    for chunks in (2, 8):  # 8 chunks of 16 rows: two completions per chunk
         trainer.experiment.grpo.num_generations_chunks = chunks
         chunked, chunked_loss = gradients(trainer, batch)
-        rel = ((chunked - full).abs().max() / full.abs().max()).item()
+        rel = relative_difference(chunked, full)
         assert rel < 1e-5, (chunks, rel)
         assert torch.allclose(chunked_loss, full_loss, rtol=1e-5, atol=1e-7)
-    trainer.experiment.grpo.num_generations_chunks = 1
+    configure(trainer, "dapo")
 
 
 def test_zero_advantage_micro_batch_is_skipped_and_counted(tmp_path):
