@@ -24,7 +24,7 @@ from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid,
 
 from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError
-from grpo.group_balancing import rebalance_groups, split_by_token_budget
+from grpo.group_balancing import BALANCED_ROWS, rebalance_groups, split_by_token_budget
 from grpo.plan import PlanSampler
 from grpo.replay import ReplayBuffer, RerollBuffer, group_advantages, inject_rerolls, place_group
 from grpo.sampling import SequenceParallelRepeatRandomSampler
@@ -528,9 +528,29 @@ class GRPOTrainer(trl.GRPOTrainer):
         if model.training and self._skip_zero_advantage:
             self._metrics["train"]["skipped_zero_adv_batches"].append(0.0)
         chunks = self.experiment.grpo.num_generations_chunks if self.experiment else 1
+        weight = self._balanced_weight(inputs)
         if chunks == 1 or not model.training or not torch.is_grad_enabled():
-            return super()._compute_loss(model, inputs)
-        return self._chunked_loss(model, inputs, chunks)
+            return super()._compute_loss(model, inputs) * weight
+        return self._chunked_loss(model, inputs, chunks, weight)
+
+    # Loss types whose micro-batch loss is a mean over its sequences (TRL divides by the row count).
+    _PER_SEQUENCE_MEAN = ("grpo", "sapo", "dr_grpo", "luspo")
+
+    def _balanced_weight(self, inputs: dict[str, torch.Tensor | Any]) -> float:
+        """Weight of a token-budget micro-batch (``sampling.seqlen_balancing``) so the step's gradient is the
+        unbalanced step's.
+
+        Unbalanced, every micro-batch on every rank holds ``per_device_train_batch_size`` rows, so a loss that is a
+        mean over sequences gives each row the weight 1 / (per_device_train_batch_size x accumulation), and DDP's
+        average over ranks divides by the world size. Token budgets give micro-batches (and, after the group
+        exchange, ranks) unequal row counts; TRL divides by the actual count, so multiplying by
+        rows / per_device_train_batch_size restores every row's weight (0 for a zero-weight filler). Losses
+        normalised by the generation batch's token count (dapo, cispo, vespo) need no weight; bnpo and the entropy
+        options depend on which rows share a micro-batch and are refused with balancing at config load."""
+        rows = inputs.get(BALANCED_ROWS)
+        if rows is None or self.loss_type not in self._PER_SEQUENCE_MEAN:
+            return 1.0
+        return rows / self.args.per_device_train_batch_size
 
     @property
     def _skip_zero_advantage(self) -> bool:
@@ -540,7 +560,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         has_signal = (advantages != 0).any().float().reshape(1)
         return bool(self.accelerator.reduce(has_signal, reduction="sum").item() == 0)
 
-    def _chunked_loss(self, model, inputs: dict[str, torch.Tensor | Any], chunks: int) -> torch.Tensor:
+    def _chunked_loss(self, model, inputs: dict[str, torch.Tensor | Any], chunks: int, scale: float = 1.0
+                      ) -> torch.Tensor:
         """Backward every chunk but the last here; return the last chunk's loss for the trainer's own backward.
 
         Each chunk is TRL's loss on its rows, weighted so the chunks sum to the micro-batch's loss: the policy term by
@@ -548,7 +569,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         high-entropy token mask (``top_entropy_quantile``) comes from one quantile over the whole micro-batch (all
         ranks), computed by a no-grad forward pass per chunk before the backward passes (one extra forward); the
         entropy bonus (``entropy_coef``, a token mean over the micro-batch) is rescaled per chunk to the chunk's
-        share of that mean. (``use_adaptive_entropy`` is refused with chunks at load.)
+        share of that mean. (``use_adaptive_entropy`` is refused with chunks at load.) ``scale`` multiplies the
+        whole micro-batch loss (see :meth:`_balanced_weight`).
         """
         n = inputs["completion_ids"].shape[0]
         bounds = [round(i * n / chunks) for i in range(chunks + 1)]
@@ -586,7 +608,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                     share = float(bonus_mask[lo:hi].sum()) / bonus_tokens if bonus_tokens else 0.0
                     self.entropy_coef = coef * share / weight
                 self._entropy_mask_override = None if entropy_mask is None else entropy_mask[lo:hi]
-                loss = super()._compute_loss(model, chunk) * weight
+                loss = super()._compute_loss(model, chunk) * (weight * scale)
                 if i < len(spans) - 1:
                     with self.accelerator.no_sync(model):
                         self.accelerator.backward(loss)

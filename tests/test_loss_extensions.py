@@ -7,11 +7,13 @@ import torch
 
 from grpo.config import load_config
 from grpo.data import load_task_data
+from grpo.group_balancing import split_by_token_budget
 from grpo.policy import load_policy
 from grpo.rewards import get_reward
 from grpo.train import grpo_args
 from grpo.trainer import GRPOTrainer
 from tests.conftest import MICRO, micro_overrides
+from trl.trainer.utils import split_tensor_dict
 
 
 def make_trainer(tmp_path, **extra) -> GRPOTrainer:
@@ -102,3 +104,78 @@ def test_zero_advantage_micro_batch_is_skipped_and_counted(tmp_path):
     grads, _ = gradients(trainer, batch)
     assert float(grads.abs().sum()) > 0
     assert trainer._metrics["train"]["skipped_zero_adv_batches"][-1] == 0.0
+
+
+def rows_of(batch, index) -> dict:
+    """The rows ``index`` of a scored batch (per-sample tensors sliced, everything else shared)."""
+    n = batch["completion_ids"].shape[0]
+    index = torch.as_tensor(index)
+    return {k: (v.index_select(0, index) if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n else v)
+            for k, v in batch.items()}
+
+
+def step_gradient(trainer: GRPOTrainer, ranks: list[list[dict]]) -> torch.Tensor:
+    """One optimizer step's gradient over emulated DDP ranks: each rank accumulates its micro-batches, then the
+    ranks' gradients are averaged (what DDP's all-reduce does)."""
+    total = None
+    for micro_batches in ranks:
+        trainer.model.zero_grad(set_to_none=True)
+        trainer.current_gradient_accumulation_steps = len(micro_batches)
+        for micro in micro_batches:
+            trainer.accelerator.backward(trainer.compute_loss(trainer.model, micro))
+        grad = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+        total = grad if total is None else total + grad
+    trainer.current_gradient_accumulation_steps = 1
+    return total / len(ranks)
+
+
+@pytest.mark.parametrize("loss_type, chunks", [(t, 1) for t in LOSS_TYPES if t != "bnpo"] + [("grpo", 2), ("dr_grpo", 4)])
+def test_token_budget_micro_batches_give_the_unbalanced_gradient(shared, loss_type, chunks):
+    """sampling.seqlen_balancing: two ranks, 2 micro-batches of 8 rows each when unbalanced; balanced, one rank holds
+    three groups and the other one, and token budgets give micro-batches of unequal row counts. Same gradient."""
+    trainer, _ = shared
+    configure(trainer, loss_type)
+    trainer.experiment.grpo.num_generations_chunks = chunks
+    torch.manual_seed(2)
+    rows = [trainer.train_dataset[i] for i in range(2, 6) for _ in range(8)]
+    batch = trainer.assemble_generation_batch(rows)  # 4 groups of 8
+    batch["advantages"] = torch.linspace(-1, 1, 32)[torch.randperm(32, generator=torch.Generator().manual_seed(3))]
+    # three long rows per group, five of two tokens (last prompt token + first completion token): token budgets then
+    # split a rank's rows unequally
+    short = torch.tensor([False] * 3 + [True] * 5).repeat(4)
+    batch["prompt_mask"][short, :-1] = 0
+    batch["completion_mask"][short, 1:] = 0
+    args = trainer.args
+    saved = args.per_device_train_batch_size, args.steps_per_generation
+    args.per_device_train_batch_size, args.steps_per_generation = 8, 2
+    try:
+        unbalanced = [split_tensor_dict(rows_of(batch, range(r * 16, r * 16 + 16)), 2) for r in range(2)]
+        balanced = [split_by_token_budget(rows_of(batch, range(0, 24)), 2), split_by_token_budget(rows_of(batch, range(24, 32)), 2)]
+        counts = [[m["completion_ids"].shape[0] for m in rank] for rank in balanced]
+        assert sum(map(sum, counts)) == 32 and all(len(set(c)) == 2 for c in counts), counts
+        reference = step_gradient(trainer, unbalanced)
+        got = step_gradient(trainer, balanced)
+    finally:
+        args.per_device_train_batch_size, args.steps_per_generation = saved
+        configure(trainer, "dapo")
+    assert reference.abs().sum() > 0
+    rel = relative_difference(got, reference)
+    assert rel < 1e-5, (counts, rel)
+
+
+def test_token_budget_filler_micro_batch_has_no_weight(shared):
+    """A rank with fewer rows than micro-batches gets zero-weight filler copies: they add nothing to the gradient."""
+    trainer, batch = shared
+    configure(trainer, "grpo")
+    parts = split_by_token_budget(rows_of(batch, [0]), 3)
+    assert [p["balanced_rows"] for p in parts] == [1, 0, 0]
+    args = trainer.args
+    saved = args.per_device_train_batch_size
+    args.per_device_train_batch_size = 1
+    try:
+        with_fillers = step_gradient(trainer, [parts])
+        alone = step_gradient(trainer, [parts[:1]]) / 3  # same accumulation (1/3), without the fillers
+    finally:
+        args.per_device_train_batch_size = saved
+        configure(trainer, "dapo")
+    assert relative_difference(with_fillers, alone) < 1e-6
