@@ -602,11 +602,11 @@ class GRPOTrainer(trl.GRPOTrainer):
                     weight = 1.0
                 else:  # grpo, sapo, dr_grpo, luspo: means over sequences
                     weight = (hi - lo) / n
-                if self._entropy_bonus_enabled and weight > 0:
+                if self._entropy_bonus_enabled:
                     # TRL subtracts coef x (this chunk's entropy mean); after the weight it must be coef x (this
-                    # chunk's entropy sum / the micro-batch's bonus tokens).
+                    # chunk's entropy sum / the micro-batch's bonus tokens). (weight 0: no tokens, nothing to scale)
                     share = float(bonus_mask[lo:hi].sum()) / bonus_tokens if bonus_tokens else 0.0
-                    self.entropy_coef = coef * share / weight
+                    self.entropy_coef = coef * share / weight if weight > 0 else coef
                 self._entropy_mask_override = None if entropy_mask is None else entropy_mask[lo:hi]
                 loss = super()._compute_loss(model, chunk) * (weight * scale)
                 if i < len(spans) - 1:
