@@ -264,6 +264,11 @@ class GRPOSection(_Section):
     vllm_server_port: int = 8000
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     log_completions: bool = False
+    report_to: list[str] = Field(
+        default_factory=list,
+        description="TRL/transformers loggers beside the platform's MLflow tracking, e.g. ['tensorboard'] or "
+        "['wandb'] (installed integrations only; MLflow itself is tracking.backend).",
+    )
     extra: dict[str, Any] = Field(
         default_factory=dict, description="Any other trl.GRPOConfig field, passed through unchanged."
     )
@@ -277,15 +282,58 @@ class GRPOSection(_Section):
         from trl import GRPOConfig
 
         trl_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
-        managed = set(type(self).model_fields) | {"output_dir", "report_to", "use_cpu"}
         for key in self.extra:
-            if key in managed:
-                raise ValueError(f"extra: {key!r} is a regular field here; set grpo.{key} (or a platform field) instead")
+            if key in TRL_FIELDS_SET_BY_PLATFORM:
+                raise ValueError(
+                    f"extra: {key!r} is set from {TRL_FIELDS_SET_BY_PLATFORM[key]}; set that instead (a value here "
+                    "would silently override it)"
+                )
+            if key in type(self).model_fields:
+                raise ValueError(f"extra: {key!r} is a regular field here; set grpo.{key} instead")
             if key not in trl_fields:
                 close = difflib.get_close_matches(key, sorted(trl_fields), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ValueError(f"extra: {key!r} is not a trl.GRPOConfig field{hint}")
         return self
+
+    @model_validator(mode="after")
+    def _report_to_installed(self) -> GRPOSection:
+        if not self.report_to:
+            return self
+        from transformers.integrations.integration_utils import (
+            INTEGRATION_TO_CALLBACK,
+            get_available_reporting_integrations,
+        )
+
+        for name in self.report_to:
+            if name in ("mlflow", "dagshub", "all"):
+                raise ValueError(
+                    f"report_to: {name!r} would make TRL log a second MLflow run beside the platform's: MLflow "
+                    "tracking is tracking.backend: mlflow; list the other loggers by name (e.g. ['tensorboard'])"
+                )
+            if name == "none":
+                raise ValueError("report_to: use an empty list [] for no extra loggers, not 'none'")
+            if name not in INTEGRATION_TO_CALLBACK:
+                valid = sorted(set(INTEGRATION_TO_CALLBACK) - {"mlflow", "dagshub"})
+                raise ValueError(f"report_to: unknown logger {name!r}; valid: {', '.join(valid)}")
+            if name not in get_available_reporting_integrations():
+                raise ValueError(f"report_to: {name!r} is not installed in this environment (pip install {name})")
+        return self
+
+
+# trl.GRPOConfig fields the platform sets itself (grpo.train.grpo_args), with where their value comes from. grpo.extra
+# may not set them: kwargs from extra are applied last and would silently win over the platform's field.
+TRL_FIELDS_SET_BY_PLATFORM: dict[str, str] = {
+    "output_dir": "the run directory (output_dir + run name)",
+    "use_cpu": "the machine (CPU when no CUDA device is present)",
+    "report_to": "grpo.report_to",
+    "shuffle_dataset": "sampling.shuffle",
+    "vllm_importance_sampling_correction": "async.vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode": "async.vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max": "async.vllm_importance_sampling_cap",
+    "off_policy_mask_threshold": "async.off_policy_mask_threshold",
+    "use_bias_correction_kl": "async.use_bias_correction_kl",
+}
 
 
 class AsyncSection(_Section):
@@ -316,7 +364,13 @@ class AsyncSection(_Section):
     """Importance-weight the KL term for off-policy rollouts (TRL's bias-corrected KL)."""
     reward_num_workers: int = Field(1, ge=1)
     """Reward worker processes; 1 scores in the trainer process."""
-    reward_timeout: float | None = Field(None, gt=0, description="Seconds per reward call in the worker pool.")
+    reward_timeout: float | None = Field(
+        600.0, gt=0,
+        description="Seconds the reward worker pool waits for one generation batch's rewards; a reward still running "
+        "then gives NaN for its samples and its worker is replaced. The default (10 minutes) is far above what a "
+        "normal reward takes; raise it for slow rewards (a large reward model, sandboxed code), null waits forever. "
+        "Applies with reward_num_workers > 1 only: in-process scoring can not be interrupted.",
+    )
     replay_buffer_size: int = Field(0, ge=0)
     """High-signal groups kept to replace zero-signal groups of later batches; 0 disables."""
     replay_recompute_logps: bool = True
@@ -414,6 +468,7 @@ class ExperimentConfig(_Section):
                 f"grpo.num_generations_chunks ({g.num_generations_chunks}) can not exceed "
                 f"grpo.per_device_train_batch_size ({g.per_device_train_batch_size}), the rows it splits"
             )
+        self._loss_layout_rules()
         if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
             raise ValueError(f"grpo.epsilon_high ({g.epsilon_high}) must be >= grpo.epsilon ({g.epsilon})")
         if g.loss_type == "luspo" and g.importance_sampling_level != "sequence":
@@ -437,6 +492,13 @@ class ExperimentConfig(_Section):
                     f"async.{name} corrects for a generator whose weights lag the trainer's: it needs "
                     "async.use_data_producer (or async_prefetch) or grpo.use_vllm"
                 )
+        if a.async_prefetch and a.vllm_sync_interval > a.max_staleness:
+            raise ValueError(
+                f"async.vllm_sync_interval ({a.vllm_sync_interval}) > async.max_staleness ({a.max_staleness}): the "
+                f"generator's weights are refreshed only every {a.vllm_sync_interval} steps, so prefetched rollouts "
+                f"come from policies up to that many versions old and those older than max_staleness are dropped and "
+                f"generated again (the prefetch is wasted): set async.vllm_sync_interval <= async.max_staleness"
+            )
         if a.replay_buffer_size and g.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "async.replay_buffer_size needs grpo.multi_objective_aggregation 'sum_then_normalize': replayed groups' "
@@ -456,6 +518,53 @@ class ExperimentConfig(_Section):
                     f"steps_per_generation = {per_rank} must be divisible by grpo.num_generations ({g.num_generations})"
                 )
         return self
+
+    def _loss_layout_rules(self) -> None:
+        """Loss options that must mean the same whatever the micro-batch layout (chunks, token-budget balancing).
+
+        ``num_generations_chunks`` is exact for every loss type and TRL's static entropy options (chunk weights,
+        one entropy mask per micro-batch, see ``GRPOTrainer._chunked_loss``). Token-budget micro-batches are exact
+        where the loss is a mean over sequences or normalised by the generation batch's token count (weights
+        ``rows / per_device_train_batch_size``, see ``GRPOTrainer.compute_policy_loss``); what depends on which
+        completions share a micro-batch can not be reweighted and is refused here.
+        """
+        g, s = self.grpo, self.sampling
+        entropy_coef = g.extra.get("entropy_coef", 0.0)
+        adaptive = bool(g.extra.get("use_adaptive_entropy", False))
+        quantile = g.extra.get("top_entropy_quantile", 1.0)
+        if adaptive and g.num_generations_chunks > 1:
+            raise ValueError(
+                f"grpo.extra.use_adaptive_entropy with grpo.num_generations_chunks ({g.num_generations_chunks}) > 1: "
+                "TRL's adaptive entropy controller updates entropy_coef on every loss call at the optimizer-step "
+                "boundary, so with chunks it would update once per chunk instead of once per step: use "
+                "num_generations_chunks: 1, or a static grpo.extra.entropy_coef (exact with chunks)"
+            )
+        if not (s.seqlen_balancing and s.world_size > 1):
+            return
+        if g.loss_type == "bnpo":
+            raise ValueError(
+                "grpo.loss_type 'bnpo' with sampling.seqlen_balancing: bnpo divides each micro-batch's loss by that "
+                "micro-batch's own token count, so every completion's weight depends on which completions share its "
+                "micro-batch and rank; balancing regroups them into token budgets, and no per-micro-batch weight "
+                "gives back the unbalanced gradient: use loss_type 'dapo' (normalised by the generation batch's "
+                "token count, unchanged by balancing), 'grpo' or 'dr_grpo' (exact), or turn seqlen_balancing off"
+            )
+        if entropy_coef != 0.0 or adaptive:
+            raise ValueError(
+                "grpo.extra.entropy_coef / use_adaptive_entropy with sampling.seqlen_balancing: TRL's entropy bonus "
+                "is a token mean per micro-batch, so each token's weight depends on which completions share its "
+                "micro-batch and rank; balancing regroups them into token budgets and changes the bonus' gradient: "
+                "turn seqlen_balancing off, or drop the entropy bonus"
+            )
+        steps = self.generation_batch_size // (g.per_device_train_batch_size * s.world_size)
+        if quantile < 1.0 and steps > 1:
+            raise ValueError(
+                f"grpo.extra.top_entropy_quantile ({quantile}) with sampling.seqlen_balancing and {steps} micro-batches "
+                "per generation batch (steps_per_generation): TRL takes the entropy quantile over each micro-batch "
+                "(all ranks), so the masked tokens depend on which completions share a micro-batch; balancing "
+                "regroups them into token budgets: use steps_per_generation 1 (then the quantile is over the whole "
+                "generation batch, which balancing only redistributes), or turn seqlen_balancing off"
+            )
 
     @property
     def generation_batch_size(self) -> int:

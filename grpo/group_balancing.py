@@ -18,6 +18,9 @@ from grpo.balance import balance_groups, balanced_micro_batches, group_workloads
 
 Batch = dict[str, Any]
 
+# Key of a token-budget micro-batch holding its number of real rows (not a tensor: never split or gathered).
+BALANCED_ROWS = "balanced_rows"
+
 
 def _per_sample_keys(batch: Batch) -> list[str]:
     n = batch["completion_ids"].shape[0]
@@ -76,7 +79,9 @@ def rebalance_groups(
 
 def split_by_token_budget(batch: Batch, num_micro_batches: int) -> list[Batch]:
     """``num_micro_batches`` micro-batches with balanced token counts (never empty: a rank too small for that many
-    gets zero-weight copies, so it still runs the same number of forward/backward passes as the others)."""
+    gets zero-weight copies, so it still runs the same number of forward/backward passes as the others). Row counts
+    differ between micro-batches (and ranks); each records its real rows under ``BALANCED_ROWS`` so the loss can
+    weight it like the equal-row micro-batches of the unbalanced step."""
     keys = _per_sample_keys(batch)
     tokens = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)).tolist()
     parts = balanced_micro_batches(tokens, num_micro_batches) if len(tokens) >= num_micro_batches else (
@@ -94,5 +99,6 @@ def split_by_token_budget(batch: Batch, num_micro_batches: int) -> list[Batch]:
                 micro[k] = batch[k][:1].clone()
             micro["completion_mask"] = torch.zeros_like(micro["completion_mask"])
             micro["advantages"] = torch.zeros_like(micro["advantages"])
+        micro[BALANCED_ROWS] = len(idx)  # real rows (0 for a filler): the trainer reweights the loss by it
         out.append(micro)
     return out

@@ -28,7 +28,7 @@ def grpo_args(cfg: ExperimentConfig, output_dir: Path, use_cpu: bool = True):
     kwargs = {k: v for k, v in g.model_dump().items() if k not in _PLATFORM_ONLY}
     kwargs.update(
         output_dir=str(output_dir),
-        report_to=[],
+        report_to=list(g.report_to),  # loggers beside the platform's MLflow tracking (MLflow itself refused at load)
         save_strategy="steps",
         logging_strategy="steps",
         use_cpu=use_cpu,

@@ -24,7 +24,7 @@ from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid,
 
 from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError
-from grpo.group_balancing import rebalance_groups, split_by_token_budget
+from grpo.group_balancing import BALANCED_ROWS, rebalance_groups, split_by_token_budget
 from grpo.plan import PlanSampler
 from grpo.replay import ReplayBuffer, RerollBuffer, group_advantages, inject_rerolls, place_group
 from grpo.sampling import SequenceParallelRepeatRandomSampler
@@ -528,9 +528,29 @@ class GRPOTrainer(trl.GRPOTrainer):
         if model.training and self._skip_zero_advantage:
             self._metrics["train"]["skipped_zero_adv_batches"].append(0.0)
         chunks = self.experiment.grpo.num_generations_chunks if self.experiment else 1
+        weight = self._balanced_weight(inputs)
         if chunks == 1 or not model.training or not torch.is_grad_enabled():
-            return super()._compute_loss(model, inputs)
-        return self._chunked_loss(model, inputs, chunks)
+            return super()._compute_loss(model, inputs) * weight
+        return self._chunked_loss(model, inputs, chunks, weight)
+
+    # Loss types whose micro-batch loss is a mean over its sequences (TRL divides by the row count).
+    _PER_SEQUENCE_MEAN = ("grpo", "sapo", "dr_grpo", "luspo")
+
+    def _balanced_weight(self, inputs: dict[str, torch.Tensor | Any]) -> float:
+        """Weight of a token-budget micro-batch (``sampling.seqlen_balancing``) so the step's gradient is the
+        unbalanced step's.
+
+        Unbalanced, every micro-batch on every rank holds ``per_device_train_batch_size`` rows, so a loss that is a
+        mean over sequences gives each row the weight 1 / (per_device_train_batch_size x accumulation), and DDP's
+        average over ranks divides by the world size. Token budgets give micro-batches (and, after the group
+        exchange, ranks) unequal row counts; TRL divides by the actual count, so multiplying by
+        rows / per_device_train_batch_size restores every row's weight (0 for a zero-weight filler). Losses
+        normalised by the generation batch's token count (dapo, cispo, vespo) need no weight; bnpo and the entropy
+        options depend on which rows share a micro-batch and are refused with balancing at config load."""
+        rows = inputs.get(BALANCED_ROWS)
+        if rows is None or self.loss_type not in self._PER_SEQUENCE_MEAN:
+            return 1.0
+        return rows / self.args.per_device_train_batch_size
 
     @property
     def _skip_zero_advantage(self) -> bool:
@@ -540,32 +560,88 @@ class GRPOTrainer(trl.GRPOTrainer):
         has_signal = (advantages != 0).any().float().reshape(1)
         return bool(self.accelerator.reduce(has_signal, reduction="sum").item() == 0)
 
-    def _chunked_loss(self, model, inputs: dict[str, torch.Tensor | Any], chunks: int) -> torch.Tensor:
-        """Backward every chunk but the last here; return the last chunk's loss for the trainer's own backward."""
+    def _chunked_loss(self, model, inputs: dict[str, torch.Tensor | Any], chunks: int, scale: float = 1.0
+                      ) -> torch.Tensor:
+        """Backward every chunk but the last here; return the last chunk's loss for the trainer's own backward.
+
+        Each chunk is TRL's loss on its rows, weighted so the chunks sum to the micro-batch's loss: the policy term by
+        the chunk's share of the loss type's normaliser, TRL's entropy options by their micro-batch meaning. The
+        high-entropy token mask (``top_entropy_quantile``) comes from one quantile over the whole micro-batch (all
+        ranks), computed by a no-grad forward pass per chunk before the backward passes (one extra forward); the
+        entropy bonus (``entropy_coef``, a token mean over the micro-batch) is rescaled per chunk to the chunk's
+        share of that mean. (``use_adaptive_entropy`` is refused with chunks at load.) ``scale`` multiplies the
+        whole micro-batch loss (see :meth:`_balanced_weight`).
+        """
         n = inputs["completion_ids"].shape[0]
         bounds = [round(i * n / chunks) for i in range(chunks + 1)]
+        spans = [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
         per_sample = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n]
         mask = inputs["completion_mask"]
-        total_tokens = mask.sum().clamp(min=1)
+        if "tool_mask" in inputs:  # TRL's loss mask: tool-call tokens do not count
+            mask = mask * inputs["tool_mask"]
+        chunk_inputs = [{k: (v[lo:hi] if k in per_sample else v) for k, v in inputs.items()} for lo, hi in spans]
+
+        entropy_mask = None
+        if self.top_entropy_quantile < 1.0:
+            entropies = torch.cat([self._chunk_entropies(model, chunk) for chunk in chunk_inputs])
+            entropy_mask = super().get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+        bonus_mask = mask if entropy_mask is None else mask * entropy_mask
+        bonus_tokens = float(bonus_mask.sum())
+        total_tokens = float(mask.sum())
+        coef = self.entropy_coef
+        logged_coefs = self._metrics["train"]["entropy_coef"]
+        logged_before = len(logged_coefs)
+
         done = torch.zeros((), device=mask.device)
         loss = done
-        for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if hi == lo:
-                continue
-            chunk = {k: (v[lo:hi] if k in per_sample else v) for k, v in inputs.items()}
-            if self.loss_type == "bnpo":  # normalised by the micro-batch's token count
-                weight = chunk["completion_mask"].sum() / total_tokens
-            elif self.loss_type in ("cispo", "dapo", "vespo"):  # normalised by the generation batch's token count
-                weight = 1.0
-            else:  # grpo, sapo, dr_grpo, luspo: means over sequences
-                weight = (hi - lo) / n
-            loss = super()._compute_loss(model, chunk) * weight
-            if i < chunks - 1:
-                with self.accelerator.no_sync(model):
-                    self.accelerator.backward(loss)
-                done = done + loss.detach()
+        try:
+            for i, ((lo, hi), chunk) in enumerate(zip(spans, chunk_inputs)):
+                if self.loss_type == "bnpo":  # normalised by the micro-batch's token count
+                    weight = float(mask[lo:hi].sum()) / total_tokens if total_tokens else 0.0
+                elif self.loss_type in ("cispo", "dapo", "vespo"):  # normalised by the generation batch's token count
+                    weight = 1.0
+                else:  # grpo, sapo, dr_grpo, luspo: means over sequences
+                    weight = (hi - lo) / n
+                if self._entropy_bonus_enabled:
+                    # TRL subtracts coef x (this chunk's entropy mean); after the weight it must be coef x (this
+                    # chunk's entropy sum / the micro-batch's bonus tokens). (weight 0: no tokens, nothing to scale)
+                    share = float(bonus_mask[lo:hi].sum()) / bonus_tokens if bonus_tokens else 0.0
+                    self.entropy_coef = coef * share / weight if weight > 0 else coef
+                self._entropy_mask_override = None if entropy_mask is None else entropy_mask[lo:hi]
+                loss = super()._compute_loss(model, chunk) * (weight * scale)
+                if i < len(spans) - 1:
+                    with self.accelerator.no_sync(model):
+                        self.accelerator.backward(loss)
+                    done = done + loss.detach()
+        finally:
+            self.entropy_coef = coef
+            self._entropy_mask_override = None
+        if len(logged_coefs) > logged_before:  # TRL logged the per-chunk coefficients: log the real one, once
+            del logged_coefs[logged_before:]
+            logged_coefs.append(coef)
         # the caller backpropagates the returned tensor: only the last chunk's graph is still attached
         return loss + done
+
+    _entropy_mask_override: torch.Tensor | None = None
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's mask, except inside a chunked loss, where the chunk's rows of the micro-batch's mask are used."""
+        if self._entropy_mask_override is not None:
+            return self._entropy_mask_override
+        return super().get_high_entropy_mask(entropies, mask, threshold)
+
+    @torch.no_grad()
+    def _chunk_entropies(self, model, chunk: dict[str, torch.Tensor | Any]) -> torch.Tensor:
+        """Per-token entropies of one chunk, computed exactly as TRL's loss computes them (no graph kept)."""
+        ids = torch.cat([chunk["prompt_ids"], chunk["completion_ids"]], dim=1)
+        attention = torch.cat([chunk["prompt_mask"], chunk["completion_mask"]], dim=1)
+        multimodal = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                      "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+        _, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, ids, attention, chunk["completion_ids"].size(1), compute_entropy=True,
+            **{k: chunk.get(k) for k in multimodal},
+        )
+        return entropies
 
 
 def _reward_columns(inputs: list[dict[str, Any]]) -> dict[str, list]:

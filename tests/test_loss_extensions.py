@@ -7,11 +7,13 @@ import torch
 
 from grpo.config import load_config
 from grpo.data import load_task_data
+from grpo.group_balancing import split_by_token_budget
 from grpo.policy import load_policy
 from grpo.rewards import get_reward
 from grpo.train import grpo_args
 from grpo.trainer import GRPOTrainer
 from tests.conftest import MICRO, micro_overrides
+from trl.trainer.utils import split_tensor_dict
 
 
 def make_trainer(tmp_path, **extra) -> GRPOTrainer:
@@ -33,24 +35,58 @@ def gradients(trainer: GRPOTrainer, batch) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]), loss.detach()
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
-def test_chunked_backward_gradients_equal_unchunked(tmp_path, loss_type):
-    trainer = make_trainer(tmp_path, **{"grpo.loss_type": loss_type, "grpo.per_device_train_batch_size": 16,
-                                        "grpo.num_generations": 8, "grpo.temperature": 1.5})
+LOSS_TYPES = ["dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One trainer and one scored batch (16 rows, 2 groups of 8) for every gradient comparison below; the loss
+    options are switched on the trainer's attributes, which is where TRL's loss reads them."""
+    trainer = make_trainer(tmp_path_factory.mktemp("loss"), **{"grpo.per_device_train_batch_size": 16,
+                                                             "grpo.num_generations": 8, "grpo.temperature": 1.5})
     torch.manual_seed(0)
     rows = [trainer.train_dataset[i] for i in range(2) for _ in range(8)]
     batch = trainer.assemble_generation_batch(rows)
     if float(batch["advantages"].abs().sum()) == 0:
         batch["advantages"] = torch.linspace(-1, 1, batch["advantages"].numel())  # make sure there is signal
+    with torch.no_grad():  # an older policy's log-probs, so ratios differ from 1 and clipping/IS weights matter
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, batch["completion_ids"].shape[1])
+    batch["old_per_token_logps"] = logps + 0.05 * torch.randn(logps.shape, generator=torch.Generator().manual_seed(1))
+    return trainer, batch
+
+
+def configure(trainer: GRPOTrainer, loss_type: str, entropy_coef: float = 0.0, top_entropy_quantile: float = 1.0):
+    trainer.loss_type = loss_type
+    trainer.importance_sampling_level = "sequence" if loss_type == "luspo" else "token"
+    trainer.entropy_coef = entropy_coef
+    trainer._entropy_bonus_enabled = entropy_coef != 0.0
+    trainer.top_entropy_quantile = top_entropy_quantile
+    trainer.experiment.grpo.num_generations_chunks = 1
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("entropy", [{}, {"entropy_coef": 0.5}, {"top_entropy_quantile": 0.5},
+                                     {"entropy_coef": 0.5, "top_entropy_quantile": 0.5}], ids=str)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_chunked_backward_gradients_equal_unchunked(shared, loss_type, entropy):
+    """Every loss type, with and without TRL's entropy bonus and high-entropy token mask: chunked backward gives the
+    unchunked gradient (and loss)."""
+    trainer, batch = shared
+    configure(trainer, loss_type, **entropy)
     full, full_loss = gradients(trainer, batch)
     assert full.abs().sum() > 0
-    for chunks in (2, 4, 8):
+    for chunks in (2, 8):  # 8 chunks of 16 rows: two completions per chunk
         trainer.experiment.grpo.num_generations_chunks = chunks
         chunked, chunked_loss = gradients(trainer, batch)
-        rel = ((chunked - full).abs().max() / full.abs().max()).item()
+        rel = relative_difference(chunked, full)
         assert rel < 1e-5, (chunks, rel)
         assert torch.allclose(chunked_loss, full_loss, rtol=1e-5, atol=1e-7)
-    trainer.experiment.grpo.num_generations_chunks = 1
+    configure(trainer, "dapo")
 
 
 def test_zero_advantage_micro_batch_is_skipped_and_counted(tmp_path):
@@ -68,3 +104,78 @@ def test_zero_advantage_micro_batch_is_skipped_and_counted(tmp_path):
     grads, _ = gradients(trainer, batch)
     assert float(grads.abs().sum()) > 0
     assert trainer._metrics["train"]["skipped_zero_adv_batches"][-1] == 0.0
+
+
+def rows_of(batch, index) -> dict:
+    """The rows ``index`` of a scored batch (per-sample tensors sliced, everything else shared)."""
+    n = batch["completion_ids"].shape[0]
+    index = torch.as_tensor(index)
+    return {k: (v.index_select(0, index) if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n else v)
+            for k, v in batch.items()}
+
+
+def step_gradient(trainer: GRPOTrainer, ranks: list[list[dict]]) -> torch.Tensor:
+    """One optimizer step's gradient over emulated DDP ranks: each rank accumulates its micro-batches, then the
+    ranks' gradients are averaged (what DDP's all-reduce does)."""
+    total = None
+    for micro_batches in ranks:
+        trainer.model.zero_grad(set_to_none=True)
+        trainer.current_gradient_accumulation_steps = len(micro_batches)
+        for micro in micro_batches:
+            trainer.accelerator.backward(trainer.compute_loss(trainer.model, micro))
+        grad = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+        total = grad if total is None else total + grad
+    trainer.current_gradient_accumulation_steps = 1
+    return total / len(ranks)
+
+
+@pytest.mark.parametrize("loss_type, chunks", [(t, 1) for t in LOSS_TYPES if t != "bnpo"] + [("grpo", 2), ("dr_grpo", 4)])
+def test_token_budget_micro_batches_give_the_unbalanced_gradient(shared, loss_type, chunks):
+    """sampling.seqlen_balancing: two ranks, 2 micro-batches of 8 rows each when unbalanced; balanced, one rank holds
+    three groups and the other one, and token budgets give micro-batches of unequal row counts. Same gradient."""
+    trainer, _ = shared
+    configure(trainer, loss_type)
+    trainer.experiment.grpo.num_generations_chunks = chunks
+    torch.manual_seed(2)
+    rows = [trainer.train_dataset[i] for i in range(2, 6) for _ in range(8)]
+    batch = trainer.assemble_generation_batch(rows)  # 4 groups of 8
+    batch["advantages"] = torch.linspace(-1, 1, 32)[torch.randperm(32, generator=torch.Generator().manual_seed(3))]
+    # three long rows per group, five of two tokens (last prompt token + first completion token): token budgets then
+    # split a rank's rows unequally
+    short = torch.tensor([False] * 3 + [True] * 5).repeat(4)
+    batch["prompt_mask"][short, :-1] = 0
+    batch["completion_mask"][short, 1:] = 0
+    args = trainer.args
+    saved = args.per_device_train_batch_size, args.steps_per_generation
+    args.per_device_train_batch_size, args.steps_per_generation = 8, 2
+    try:
+        unbalanced = [split_tensor_dict(rows_of(batch, range(r * 16, r * 16 + 16)), 2) for r in range(2)]
+        balanced = [split_by_token_budget(rows_of(batch, range(0, 24)), 2), split_by_token_budget(rows_of(batch, range(24, 32)), 2)]
+        counts = [[m["completion_ids"].shape[0] for m in rank] for rank in balanced]
+        assert sum(map(sum, counts)) == 32 and all(len(set(c)) == 2 for c in counts), counts
+        reference = step_gradient(trainer, unbalanced)
+        got = step_gradient(trainer, balanced)
+    finally:
+        args.per_device_train_batch_size, args.steps_per_generation = saved
+        configure(trainer, "dapo")
+    assert reference.abs().sum() > 0
+    rel = relative_difference(got, reference)
+    assert rel < 1e-5, (counts, rel)
+
+
+def test_token_budget_filler_micro_batch_has_no_weight(shared):
+    """A rank with fewer rows than micro-batches gets zero-weight filler copies: they add nothing to the gradient."""
+    trainer, batch = shared
+    configure(trainer, "grpo")
+    parts = split_by_token_budget(rows_of(batch, [0]), 3)
+    assert [p["balanced_rows"] for p in parts] == [1, 0, 0]
+    args = trainer.args
+    saved = args.per_device_train_batch_size
+    args.per_device_train_batch_size = 1
+    try:
+        with_fillers = step_gradient(trainer, [parts])
+        alone = step_gradient(trainer, [parts[:1]]) / 3  # same accumulation (1/3), without the fillers
+    finally:
+        args.per_device_train_batch_size = saved
+        configure(trainer, "dapo")
+    assert relative_difference(with_fillers, alone) < 1e-6
