@@ -26,7 +26,7 @@ from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError
 from grpo.group_balancing import rebalance_groups, split_by_token_budget
 from grpo.plan import PlanSampler
-from grpo.replay import ReplayBuffer, RerollBuffer, group_advantages, inject_rerolls, place_group
+from grpo.replay import ReplayBuffer, RerollBuffer, group_advantages, group_reward_std, inject_rerolls, place_group
 from grpo.sampling import SequenceParallelRepeatRandomSampler
 
 TESTED_TRL_VERSION = "1.16.0"
@@ -434,8 +434,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _apply_replay(self, batch: dict[str, Any], rewards: torch.Tensor) -> list[slice]:
         """Replace zero-signal groups by buffered ones, then buffer this batch's groups that have signal."""
         G = self.num_generations
-        grouped = torch.nan_to_num(rewards, nan=0.0).view(-1, G)
-        std = grouped.std(dim=1)
+        grouped = rewards.view(-1, G)  # NaN where unscorable: kept, so replayed advantages leave them out as TRL does
+        std = group_reward_std(grouped)
         advantages = batch["advantages"].detach().cpu().view(-1, G)
         pad = getattr(self.processing_class, "pad_token_id", 0) or 0
         per_token = [k for k in batch if k.endswith("per_token_logps") and isinstance(batch[k], torch.Tensor)]
@@ -443,9 +443,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         zero = (std == 0).nonzero().flatten().tolist()
         batch_std = None
         if self.scale_rewards == "batch":  # TRL scales by the std of the whole (gathered) batch
-            all_rewards = (self._last_rewards_per_func * self.reward_weights.to(
-                self._last_rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
-            batch_std = float(all_rewards.std())
+            from trl.trainer.utils import nanstd
+
+            rpf = self._last_rewards_per_func
+            all_rewards = (rpf * self.reward_weights.to(rpf.device).unsqueeze(0)).nansum(dim=1)
+            all_rewards[torch.isnan(rpf).all(dim=1)] = torch.nan
+            batch_std = float(nanstd(all_rewards))
         replaced = []
         for g, group in zip(zero, self._replay.sample(len(zero))):
             rows = slice(g * G, (g + 1) * G)
