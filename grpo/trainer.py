@@ -459,6 +459,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             replaced.append(rows)
         if replaced:
             self._refresh_replayed(batch, replaced)
+        # Recount the tokens the loss is normalised by on every rank, whether or not it replaced a group: a
+        # collective joined only by the ranks that replaced one would wait forever for the others.
+        tokens = batch["completion_mask"].sum().float().reshape(1)
+        batch["num_items_in_batch"] = self.accelerator.reduce(tokens, reduction="sum").squeeze(0)
 
         for g in (std > 0).nonzero().flatten().tolist():
             rows = slice(g * G, (g + 1) * G)
@@ -473,7 +477,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _refresh_replayed(self, batch: dict[str, Any], replaced: list[slice]) -> None:
         """Replayed groups were sampled by an older policy: recompute their old (and reference) log-probs for the
-        current one when asked, and recount the tokens the loss is normalised by."""
+        current one when asked."""
         if self.experiment.async_.replay_recompute_logps:
             logits_to_keep = batch["completion_ids"].shape[1]
             models = {"old_per_token_logps": self.model}
@@ -491,8 +495,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         if "importance_sampling_ratio" in batch:  # the generator's ratio does not apply to replayed rows
             for rows in replaced:
                 batch["importance_sampling_ratio"][rows] = 1.0
-        tokens = batch["completion_mask"].sum().float().reshape(1)
-        batch["num_items_in_batch"] = self.accelerator.reduce(tokens, reduction="sum").squeeze(0)
 
     @property
     def _balancing(self) -> bool:
@@ -526,14 +528,27 @@ class GRPOTrainer(trl.GRPOTrainer):
         """
         if model.training and self._skip_zero_advantage and self._no_signal_anywhere(inputs["advantages"]):
             self._metrics["train"]["skipped_zero_adv_batches"].append(1.0)
-            # A zero that touches every parameter: backward runs (and DDP's hooks fire) without any activations.
-            return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+            return self._zero_loss(model, inputs)
         if model.training and self._skip_zero_advantage:
             self._metrics["train"]["skipped_zero_adv_batches"].append(0.0)
         chunks = self.experiment.grpo.num_generations_chunks if self.experiment else 1
         if chunks == 1 or not model.training or not torch.is_grad_enabled():
             return super()._compute_loss(model, inputs)
         return self._chunked_loss(model, inputs, chunks)
+
+    def _zero_loss(self, model, inputs: dict[str, torch.Tensor | Any]) -> torch.Tensor:
+        """A zero loss whose backward gives every parameter a zero gradient, for a skipped micro-batch.
+
+        DDP decides in its forward whether the next backward all-reduces. On the micro-step that synchronises (the
+        last of an accumulation window) the zero must therefore come out of the DDP module's forward, or the
+        gradients accumulated under ``no_sync`` in the window's earlier micro-steps are never averaged and the ranks
+        step apart. One row is enough. Elsewhere a zero built from the parameters costs no forward at all.
+        """
+        if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients:
+            ids = torch.cat([inputs["prompt_ids"][:1], inputs["completion_ids"][:1]], 1)
+            mask = torch.cat([inputs["prompt_mask"][:1], inputs["completion_mask"][:1]], 1)
+            return model(input_ids=ids, attention_mask=mask).logits.sum() * 0.0
+        return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
 
     @property
     def _skip_zero_advantage(self) -> bool:
@@ -544,17 +559,23 @@ class GRPOTrainer(trl.GRPOTrainer):
         return bool(self.accelerator.reduce(has_signal, reduction="sum").item() == 0)
 
     def _chunked_loss(self, model, inputs: dict[str, torch.Tensor | Any], chunks: int) -> torch.Tensor:
-        """Backward every chunk but the last here; return the last chunk's loss for the trainer's own backward."""
+        """Backward every chunk but the last here; return the last chunk's loss for the trainer's own backward.
+
+        DDP decides at forward time whether a backward all-reduces, so the earlier chunks run forward *and* backward
+        under ``no_sync``: gradients are synchronised once, by the last chunk, and only on the micro-step where the
+        trainer synchronises at all.
+        """
+        import contextlib
+
         n = inputs["completion_ids"].shape[0]
-        bounds = [round(i * n / chunks) for i in range(chunks + 1)]
+        cuts = [round(i * n / chunks) for i in range(chunks + 1)]
+        bounds = [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:]) if hi > lo]
         per_sample = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n]
-        mask = inputs["completion_mask"]
-        total_tokens = mask.sum().clamp(min=1)
-        done = torch.zeros((), device=mask.device)
+        total_tokens = inputs["completion_mask"].sum().clamp(min=1)
+        done = torch.zeros((), device=inputs["completion_mask"].device)
         loss = done
-        for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if hi == lo:
-                continue
+        for i, (lo, hi) in enumerate(bounds):
+            last = i == len(bounds) - 1
             chunk = {k: (v[lo:hi] if k in per_sample else v) for k, v in inputs.items()}
             if self.loss_type == "bnpo":  # normalised by the micro-batch's token count
                 weight = chunk["completion_mask"].sum() / total_tokens
@@ -562,11 +583,11 @@ class GRPOTrainer(trl.GRPOTrainer):
                 weight = 1.0
             else:  # grpo, sapo, dr_grpo, luspo: means over sequences
                 weight = (hi - lo) / n
-            loss = super()._compute_loss(model, chunk) * weight
-            if i < chunks - 1:
-                with self.accelerator.no_sync(model):
+            with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+                loss = super()._compute_loss(model, chunk) * weight
+                if not last:
                     self.accelerator.backward(loss)
-                done = done + loss.detach()
+                    done = done + loss.detach()
         # the caller backpropagates the returned tensor: only the last chunk's graph is still attached
         return loss + done
 
