@@ -214,8 +214,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         rest of set-up; its first round is generated with weights pushed at that moment (see _async_rollouts)."""
         from grpo.async_producer import AsyncRolloutProducer, producer_threads
 
-        init_dir = Path(self.args.output_dir) / "generator-init"
-        self.accelerator.unwrap_model(self.model).save_pretrained(init_dir)
+        from safetensors.torch import save_model
+
+        # Each rank writes its own copy: under torch.distributed, save_pretrained writes on rank 0 only, so another
+        # rank's generator would find an empty (or half-written) directory.
+        init_dir = Path(self.args.output_dir) / f"generator-init-rank{self.accelerator.process_index}"
+        init_dir.mkdir(parents=True, exist_ok=True)
+        model = self.accelerator.unwrap_model(self.model)
+        model.config.save_pretrained(init_dir)
+        save_model(model, str(init_dir / "model.safetensors"))
         gc = self.generation_config
         gen = {"max_new_tokens": self.max_completion_length, "temperature": gc.temperature, "top_p": gc.top_p,
                "top_k": gc.top_k, "pad_token_id": self._tokenizer.pad_token_id, "eos_token_ids": list(self.eos_token_ids)}
