@@ -106,6 +106,8 @@ def _tiny_policy(cfg: ExperimentConfig, data: DatasetDict, log) -> Policy:
         tmp.rename(path)  # atomic: a concurrent builder of the same key loses the race harmlessly
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
+    # Where the weights now live: trl.GRPOTrainer builds the reference model (grpo.beta > 0) from this path.
+    model.config._name_or_path = str(path)
     return Policy(model, tokenizer, str(path), False, time.perf_counter() - start, losses)
 
 

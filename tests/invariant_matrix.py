@@ -327,7 +327,10 @@ def main(argv: list[str] | None = None) -> int:
                 record["neutral"] = neutral
                 record["neutral_rel"] = float((update - expected).abs().max() / expected.abs().max().clamp(min=1e-30))
         except Exception as err:  # noqa: BLE001 -- reported, then the launch fails
+            import traceback
+
             record["error"] = f"{type(err).__name__}: {err}"[:2000]
+            record["traceback"] = traceback.format_exc()[-4000:]
             emit(record)
             raise
         emit(record)
