@@ -91,13 +91,19 @@ def neutral_options(row: Row, world: int) -> list[str]:
         out.append("skip")
     if row["streaming"]:
         out.append("streaming")
-    if row["balancing"] and world > 1 and row["loss_type"] != "bnpo":  # bnpo normalises by each rank's own tokens
+    # Moving groups between ranks changes the maths where a rank's own batch is a normaliser: bnpo divides by the
+    # rank's token count, top_entropy_quantile takes its threshold over the rank's micro-batch (TRL's semantics).
+    if row["balancing"] and world > 1 and row["loss_type"] != "bnpo" and row["entropy"] != "top_entropy_quantile":
         out.append("balancing")
     return out
 
 
-def reference(row: Row) -> Row:
-    return {**row, "chunks": 1, "skip": False, "streaming": False, "balancing": False}
+_OFF = {"chunks": 1, "skip": False, "streaming": False, "balancing": False}
+
+
+def reference(row: Row, neutral: list[str]) -> Row:
+    """``row`` with its maths-neutral options off (the others, e.g. non-neutral balancing, stay as they are)."""
+    return {**row, **{name: _OFF[name] for name in neutral}}
 
 
 def steps_for(row: Row) -> int:
@@ -317,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                           rerolled=_metric_total(probe.logs, "reroll_injected"))
             neutral = neutral_options(row, world)
             if neutral:
-                ref_row = reference(row)
+                ref_row = reference(row, neutral)
                 key = json.dumps(ref_row, sort_keys=True)
                 if key not in references:
                     ref = run_one(ref_row, world, 1, shared, args.timeout)["probe"]
