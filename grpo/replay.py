@@ -87,14 +87,26 @@ class RerollBuffer:
         return [self._rows.popleft() for _ in range(min(n, len(self._rows)))]
 
 
+def group_reward_std(grouped: torch.Tensor) -> torch.Tensor:
+    """Per-row std of a (groups, G) reward matrix over its scorable (non-NaN) rewards, as TRL's ``nanstd``; 0 where
+    fewer than two are scorable. A row with std 0 has no learning signal: TRL gives it all-zero advantages."""
+    from trl.trainer.utils import nanstd
+
+    return torch.nan_to_num(nanstd(grouped, dim=1), nan=0.0)
+
+
 def group_advantages(rewards: torch.Tensor, scale: str, batch_std: float | None = None) -> torch.Tensor:
     """GRPO advantages of one group's rewards as TRL computes them: centred on the group mean, divided by the group
-    std (``scale_rewards: group``), the current batch's std (``batch``) or nothing (``none``)."""
-    centred = rewards - rewards.mean()
-    if scale == "none":
-        return centred
-    std = rewards.std() if scale == "group" else torch.tensor(batch_std if batch_std is not None else 0.0)
-    return centred / (std + 1e-4)
+    std (``scale_rewards: group``), the current batch's std (``batch``) or nothing (``none``). Unscorable completions
+    (NaN: every reward function abstained) are left out of the mean and std and get advantage 0, so the baseline is
+    not biased towards 0."""
+    if torch.isnan(rewards).all():
+        return torch.zeros_like(rewards)
+    centred = rewards - torch.nanmean(rewards)
+    if scale != "none":
+        std = group_reward_std(rewards.view(1, -1))[0] if scale == "group" else torch.tensor(batch_std or 0.0)
+        centred = centred / (std + 1e-4)
+    return torch.nan_to_num(centred, nan=0.0)
 
 
 def inject_rerolls(inputs: list[dict[str, Any]], rerolls: list[dict[str, Any]], num_generations: int) -> list[dict]:

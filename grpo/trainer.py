@@ -13,6 +13,7 @@ Everything else (every ``trl.GRPOConfig`` option, vLLM, PEFT, logging) is TRL's 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError
 from grpo.group_balancing import BALANCED_ROWS, rebalance_groups, split_by_token_budget
 from grpo.plan import PlanSampler
-from grpo.replay import ReplayBuffer, RerollBuffer, group_advantages, inject_rerolls, place_group
+from grpo.replay import ReplayBuffer, RerollBuffer, group_advantages, group_reward_std, inject_rerolls, place_group
 from grpo.sampling import SequenceParallelRepeatRandomSampler
 
 TESTED_TRL_VERSION = "1.16.0"
@@ -214,8 +215,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         rest of set-up; its first round is generated with weights pushed at that moment (see _async_rollouts)."""
         from grpo.async_producer import AsyncRolloutProducer, producer_threads
 
-        init_dir = Path(self.args.output_dir) / "generator-init"
-        self.accelerator.unwrap_model(self.model).save_pretrained(init_dir)
+        from safetensors.torch import save_model
+
+        # Each rank writes its own copy: under torch.distributed, save_pretrained writes on rank 0 only, so another
+        # rank's generator would find an empty (or half-written) directory.
+        init_dir = Path(self.args.output_dir) / f"generator-init-rank{self.accelerator.process_index}"
+        init_dir.mkdir(parents=True, exist_ok=True)
+        model = self.accelerator.unwrap_model(self.model)
+        model.config.save_pretrained(init_dir)
+        save_model(model, str(init_dir / "model.safetensors"))
         gc = self.generation_config
         gen = {"max_new_tokens": self.max_completion_length, "temperature": gc.temperature, "top_p": gc.top_p,
                "top_k": gc.top_k, "pad_token_id": self._tokenizer.pad_token_id, "eos_token_ids": list(self.eos_token_ids)}
@@ -434,8 +442,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _apply_replay(self, batch: dict[str, Any], rewards: torch.Tensor) -> list[slice]:
         """Replace zero-signal groups by buffered ones, then buffer this batch's groups that have signal."""
         G = self.num_generations
-        grouped = torch.nan_to_num(rewards, nan=0.0).view(-1, G)
-        std = grouped.std(dim=1)
+        grouped = rewards.view(-1, G)  # NaN where unscorable: kept, so replayed advantages leave them out as TRL does
+        std = group_reward_std(grouped)
         advantages = batch["advantages"].detach().cpu().view(-1, G)
         pad = getattr(self.processing_class, "pad_token_id", 0) or 0
         per_token = [k for k in batch if k.endswith("per_token_logps") and isinstance(batch[k], torch.Tensor)]
@@ -443,9 +451,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         zero = (std == 0).nonzero().flatten().tolist()
         batch_std = None
         if self.scale_rewards == "batch":  # TRL scales by the std of the whole (gathered) batch
-            all_rewards = (self._last_rewards_per_func * self.reward_weights.to(
-                self._last_rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
-            batch_std = float(all_rewards.std())
+            from trl.trainer.utils import nanstd
+
+            rpf = self._last_rewards_per_func
+            all_rewards = (rpf * self.reward_weights.to(rpf.device).unsqueeze(0)).nansum(dim=1)
+            all_rewards[torch.isnan(rpf).all(dim=1)] = torch.nan
+            batch_std = float(nanstd(all_rewards))
         replaced = []
         for g, group in zip(zero, self._replay.sample(len(zero))):
             rows = slice(g * G, (g + 1) * G)
@@ -456,6 +467,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             replaced.append(rows)
         if replaced:
             self._refresh_replayed(batch, replaced)
+        # Recount the tokens the loss is normalised by on every rank, whether or not it replaced a group: a
+        # collective joined only by the ranks that replaced one would wait forever for the others.
+        tokens = batch["completion_mask"].sum().float().reshape(1)
+        batch["num_items_in_batch"] = self.accelerator.reduce(tokens, reduction="sum").squeeze(0)
 
         for g in (std > 0).nonzero().flatten().tolist():
             rows = slice(g * G, (g + 1) * G)
@@ -470,7 +485,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _refresh_replayed(self, batch: dict[str, Any], replaced: list[slice]) -> None:
         """Replayed groups were sampled by an older policy: recompute their old (and reference) log-probs for the
-        current one when asked, and recount the tokens the loss is normalised by."""
+        current one when asked."""
         if self.experiment.async_.replay_recompute_logps:
             logits_to_keep = batch["completion_ids"].shape[1]
             models = {"old_per_token_logps": self.model}
@@ -488,8 +503,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         if "importance_sampling_ratio" in batch:  # the generator's ratio does not apply to replayed rows
             for rows in replaced:
                 batch["importance_sampling_ratio"][rows] = 1.0
-        tokens = batch["completion_mask"].sum().float().reshape(1)
-        batch["num_items_in_batch"] = self.accelerator.reduce(tokens, reduction="sum").squeeze(0)
 
     @property
     def _balancing(self) -> bool:
@@ -523,8 +536,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         """
         if model.training and self._skip_zero_advantage and self._no_signal_anywhere(inputs["advantages"]):
             self._metrics["train"]["skipped_zero_adv_batches"].append(1.0)
-            # A zero that touches every parameter: backward runs (and DDP's hooks fire) without any activations.
-            return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+            return self._zero_loss(model, inputs)
         if model.training and self._skip_zero_advantage:
             self._metrics["train"]["skipped_zero_adv_batches"].append(0.0)
         chunks = self.experiment.grpo.num_generations_chunks if self.experiment else 1
@@ -552,6 +564,20 @@ class GRPOTrainer(trl.GRPOTrainer):
             return 1.0
         return rows / self.args.per_device_train_batch_size
 
+    def _zero_loss(self, model, inputs: dict[str, torch.Tensor | Any]) -> torch.Tensor:
+        """A zero loss whose backward gives every parameter a zero gradient, for a skipped micro-batch.
+
+        DDP decides in its forward whether the next backward all-reduces. On the micro-step that synchronises (the
+        last of an accumulation window) the zero must therefore come out of the DDP module's forward, or the
+        gradients accumulated under ``no_sync`` in the window's earlier micro-steps are never averaged and the ranks
+        step apart. One row is enough. Elsewhere a zero built from the parameters costs no forward at all.
+        """
+        if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients:
+            ids = torch.cat([inputs["prompt_ids"][:1], inputs["completion_ids"][:1]], 1)
+            mask = torch.cat([inputs["prompt_mask"][:1], inputs["completion_mask"][:1]], 1)
+            return model(input_ids=ids, attention_mask=mask).logits.sum() * 0.0
+        return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+
     @property
     def _skip_zero_advantage(self) -> bool:
         return bool(self.experiment and self.experiment.async_.skip_zero_advantage_batches)
@@ -571,6 +597,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         entropy bonus (``entropy_coef``, a token mean over the micro-batch) is rescaled per chunk to the chunk's
         share of that mean. (``use_adaptive_entropy`` is refused with chunks at load.) ``scale`` multiplies the
         whole micro-batch loss (see :meth:`_balanced_weight`).
+
+        DDP decides at forward time whether a backward all-reduces, so the earlier chunks run forward *and* backward
+        under ``no_sync``: gradients are synchronised once, by the last chunk, and only on the micro-step where the
+        trainer synchronises at all.
         """
         n = inputs["completion_ids"].shape[0]
         bounds = [round(i * n / chunks) for i in range(chunks + 1)]
@@ -608,11 +638,12 @@ class GRPOTrainer(trl.GRPOTrainer):
                     share = float(bonus_mask[lo:hi].sum()) / bonus_tokens if bonus_tokens else 0.0
                     self.entropy_coef = coef * share / weight if weight > 0 else coef
                 self._entropy_mask_override = None if entropy_mask is None else entropy_mask[lo:hi]
-                loss = super()._compute_loss(model, chunk) * (weight * scale)
-                if i < len(spans) - 1:
-                    with self.accelerator.no_sync(model):
+                last = i == len(spans) - 1
+                with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+                    loss = super()._compute_loss(model, chunk) * (weight * scale)
+                    if not last:
                         self.accelerator.backward(loss)
-                    done = done + loss.detach()
+                        done = done + loss.detach()
         finally:
             self.entropy_coef = coef
             self._entropy_mask_override = None

@@ -139,3 +139,32 @@ def test_torchrun_sequence_parallel_sampler_layout(tmp_path):
         for start in range(0, len(r[0]), 12):
             assert not set(r[0][start:start + 12]) & set(r[2][start:start + 12])
     assert ranks[0]["0"] != ranks[0]["1"]  # set_epoch reshuffles
+
+
+def test_two_nodes_c10d_rendezvous_with_the_toolkit(tmp_path):
+    """The multi-node launch path of infra/README.md on two simulated nodes (``torchrun --nnodes 2``, c10d rendezvous
+    on 127.0.0.1, one process per node), training with replay + zero-advantage skip + chunked backward + balancing +
+    gradient accumulation 2: the combination of issue #10 that used to hang or desynchronise."""
+    overrides = micro_overrides(tmp_path, **{
+        "sampling.world_size": 2, "sampling.seqlen_balancing": "true", "grpo.max_steps": 3,
+        "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4, "grpo.gradient_accumulation_steps": 2,
+        "grpo.num_generations_chunks": 2, "async.replay_buffer_size": 4, "async.skip_zero_advantage_batches": "true",
+        "grpo.save_steps": 100, "evaluation.enabled": "false",
+    })
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+           "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:29547", "--rdzv_id", "two-nodes",
+           "-m", "grpo.cli", "run", "--config", str(MICRO), "--run-name", "two-nodes"]
+    for item in overrides:
+        cmd += ["--set", item]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    try:
+        outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(o[-2000:] for o in outputs)
+    summary = json.loads((tmp_path / "two-nodes" / "summary.json").read_text())
+    assert summary["steps"] == 3

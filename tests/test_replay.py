@@ -7,7 +7,7 @@ import torch
 from grpo.config import load_config
 from grpo.data import load_task_data
 from grpo.policy import load_policy
-from grpo.replay import ReplayBuffer, RerollBuffer, inject_rerolls, place_group
+from grpo.replay import ReplayBuffer, RerollBuffer, group_advantages, inject_rerolls, place_group
 from grpo.rewards import get_reward, register_reward
 from grpo.train import grpo_args
 from grpo.trainer import GRPOTrainer
@@ -21,6 +21,24 @@ def signal_if_even(prompts, completions, **kwargs):
     """Groups of prompts starting with an even digit get varied rewards; all others get 0 (no signal, failed)."""
     SCORED.append(list(prompts))
     return [float((int(p[0]) % 2 == 0) and (i % 2 == 0)) for i, p in enumerate(prompts)]
+
+
+@register_reward("test_unscorable_mix")
+def unscorable_mix(prompts, completions, **kwargs):
+    """Even-digit prompts: [1, 0, None, 0] per group (signal, one unscorable); odd: [1, 1, 1, None] (no signal)."""
+    even, odd = [1.0, 0.0, None, 0.0], [1.0, 1.0, 1.0, None]
+    return [(even if int(p[0]) % 2 == 0 else odd)[i % 4] for i, p in enumerate(prompts)]
+
+
+NAN = float("nan")
+
+
+def test_group_advantages_leave_unscorable_completions_out_like_trl():
+    """Issue #10 item 7: TRL excludes NaN rewards from the group mean/std and gives them advantage 0."""
+    adv = group_advantages(torch.tensor([1.0, 0.0, NAN, 0.0]), "group")
+    assert torch.allclose(adv, torch.tensor([1.1546, -0.5773, 0.0, -0.5773]), atol=1e-3), adv
+    assert torch.equal(group_advantages(torch.tensor([1.0, 1.0, 1.0, NAN]), "group"), torch.zeros(4))
+    assert torch.allclose(group_advantages(torch.tensor([2.0, 0.0, NAN, 1.0]), "none"), torch.tensor([1.0, -1.0, 0, 0]))
 
 
 def test_replay_buffer_keeps_the_best_and_samples_by_score():
@@ -125,3 +143,17 @@ def test_reroll_waits_for_the_start_fraction(tmp_path):
     trainer.state.global_step = trainer.args.max_steps // 2
     trainer.assemble_generation_batch(rows_starting_with(trainer, "2468", 4, skip=7))
     assert trainer._metrics["train"]["reroll_injected"][-1] == 1
+
+
+def test_replay_with_unscorable_completions_matches_trl(tmp_path):
+    """Issue #10 item 7: a group whose scorable rewards are equal ([1, 1, 1, None]) has no signal and is replaced; the
+    replayed group's advantages are TRL's, unscorable completion at 0."""
+    trainer = make_trainer(tmp_path, **{"async.replay_buffer_size": 4, "grpo.reward_funcs": "[test_unscorable_mix]"})
+    torch.manual_seed(0)
+    first = trainer.assemble_generation_batch(rows_starting_with(trainer, "2468", 2))
+    trl = first["advantages"].view(2, 4)
+    assert torch.allclose(trl, torch.tensor([1.1546, -0.5773, 0.0, -0.5773]).expand(2, 4), atol=1e-3)
+
+    batch = trainer.assemble_generation_batch(rows_starting_with(trainer, "13579", 2))
+    assert trainer._metrics["train"]["replay_buffer_replacements"][-1] == 2
+    assert torch.allclose(batch["advantages"].view(2, 4), trl, atol=1e-5)
