@@ -4,8 +4,8 @@ Config: per_device_train_batch_size 64, num_generations 8 (8 prompts per rank an
 SP degree 1, seqlen balancing on (its prediction runs on 1000 sampled rounds), max_steps 16,000 = 15,625 rounds of
 epoch 0 plus 375 of epoch 1. Prompt lengths are lognormal(5, 1) tokens. The plan is built in a fresh subprocess so
 its peak RSS (ru_maxrss of the child: interpreter, torch and pyarrow included) is the planner's alone.
-Targets: build_plan <= 10 s, peak RSS <= 500 MB. Run with ``python -m benchmarks plan``; ``--smoke`` plans 16,000
-prompts (256 steps, the same one-epoch-and-a-bit shape) instead (``BENCH_PROMPTS`` and ``BENCH_MAX_STEPS`` override
+Targets: build_plan <= 10 s, peak RSS <= 500 MB. Run with ``python -m benchmarks plan``; ``--smoke`` plans 4,096
+prompts (70 steps: 64 rounds of epoch 0 and 6 of epoch 1) instead (``BENCH_PROMPTS`` and ``BENCH_MAX_STEPS`` override
 either mode).
 """
 
@@ -48,8 +48,8 @@ def _child(out_dir: str, n_prompts: int, max_steps: int) -> None:
 
 
 def main(smoke: bool = False) -> dict:
-    n_prompts = size("BENCH_PROMPTS", N_PROMPTS, 16_000, smoke)
-    max_steps = size("BENCH_MAX_STEPS", MAX_STEPS, 256, smoke)
+    n_prompts = size("BENCH_PROMPTS", N_PROMPTS, 4096, smoke)
+    max_steps = size("BENCH_MAX_STEPS", MAX_STEPS, 70, smoke)
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "benchmarks.plan", "--child", tmp, str(n_prompts), str(max_steps)],
