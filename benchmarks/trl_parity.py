@@ -3,7 +3,7 @@
 Same tiny warm-started model, data, seed, config and number of steps, in one process. The two trainers run
 alternately (ours, TRL, ours, TRL, ...) so machine noise hits both alike; throughput is the median over rounds.
 
-Environment: BENCH_STEPS (60), BENCH_ROUNDS (3). ``--smoke``: 3 steps, 1 round, a short warm start.
+Environment: BENCH_STEPS (60), BENCH_ROUNDS (3). ``--smoke``: 3 steps of 64 completions, 1 round, a short warm start.
 """
 
 from __future__ import annotations
