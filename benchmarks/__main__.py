@@ -1,12 +1,16 @@
-"""Run one benchmark: ``python -m benchmarks NAME``.
+"""Run one benchmark: ``python -m benchmarks NAME [--smoke]``.
 
-Each benchmark is a module ``benchmarks/NAME.py`` with a ``main() -> dict`` function. The result is printed as a
-single JSON object on the last line of output, so scripts can ``tail -1 | jq``.
+Each benchmark is a module ``benchmarks/NAME.py`` with a ``main(smoke: bool = False) -> dict`` function. The result is
+printed as a single JSON object on the last line of output, so scripts can ``tail -1 | jq``. ``--smoke`` runs the same
+code path with tiny sizes (a few steps, one round) in seconds to a minute, so the test suite can run every benchmark
+(``tests/test_benchmarks.py``); its figures say nothing about performance. ``BENCH_*`` variables override the sizes
+in both modes.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import pkgutil
 import sys
@@ -20,12 +24,18 @@ def available() -> list[str]:
 
 def main(argv: list[str]) -> int:
     names = available()
-    if len(argv) != 1 or argv[0] not in names:
-        print(f"usage: python -m benchmarks NAME  (NAME one of: {', '.join(names)})", file=sys.stderr)
+    smoke = "--smoke" in argv
+    args = [a for a in argv if a != "--smoke"]
+    if len(args) != 1 or args[0] not in names:
+        print(f"usage: python -m benchmarks NAME [--smoke]  (NAME one of: {', '.join(names)})", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"benchmarks.{argv[0]}")
-    result = module.main()
-    print(json.dumps({"benchmark": argv[0], **result}, sort_keys=True))
+    name = args[0]
+    module = importlib.import_module(f"benchmarks.{name}")
+    if smoke and "smoke" not in inspect.signature(module.main).parameters:
+        print(f"benchmark {name} has no smoke mode: give it main(smoke: bool = False)", file=sys.stderr)
+        return 2
+    result = module.main(smoke=True) if smoke else module.main()
+    print(json.dumps({"benchmark": name, **result, "smoke": smoke}, sort_keys=True))
     return 0
 
 

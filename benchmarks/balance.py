@@ -2,7 +2,8 @@
 
 Speed: n=8192 lengths into k=64 partitions (median of several runs, ms). Quality: 64 GRPO groups of 8 completions
 (prompt 32 tokens, completion lengths lognormal(mu=5, sigma=1)) over 8 ranks, 50 seeded trials, mean max/mean rank
-load per method. Run with ``python -m benchmarks balance``.
+load per method. Run with ``python -m benchmarks balance``; ``--smoke``: n=1024 into k=16, 5 trials, fewer timing
+repeats (``BENCH_ITEMS``, ``BENCH_PARTS``, ``BENCH_TRIALS`` override either mode).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 
 import numpy as np
 
+from benchmarks._sizes import size
 from grpo import balance
 
 N_ITEMS, K_PARTS = 8192, 64
@@ -62,25 +64,31 @@ def _ratio(x: np.ndarray, parts: list[list[int]]) -> float:
     return float(loads.max() / loads.mean())
 
 
-def _speed() -> dict:
+def _speed(n_items: int, k_parts: int, repeat: float) -> dict:
+    """``repeat`` scales the number of timed calls (at least one each)."""
     rng = np.random.default_rng(0)
-    lengths = np.maximum(1, np.round(rng.lognormal(5, 1, N_ITEMS))).astype(np.int64)
+    lengths = np.maximum(1, np.round(rng.lognormal(5, 1, n_items))).astype(np.int64)
     as_list = lengths.tolist()
     out: dict = {}
     for mode, equal in (("equal", True), ("free", False)):
-        ours = _median_ms(lambda: balance.get_seqlen_balanced_partitions(lengths, K_PARTS, equal), 15 if equal else 7)
+        def runs(n: int) -> int:
+            return max(1, round(n * repeat))
+
+        ours = _median_ms(lambda: balance.get_seqlen_balanced_partitions(lengths, k_parts, equal),
+                          runs(15 if equal else 7))
         out[f"speed_{mode}_ours_ms"] = ours
-        out[f"speed_{mode}_ours_kk_only_ms"] = _median_ms(lambda: balance.karmarkar_karp(lengths, K_PARTS, equal), 5)
-        out[f"speed_{mode}_greedy_ms"] = _median_ms(lambda: balance.greedy_partition(lengths, K_PARTS, equal), 5)
-        ref = _median_ms(lambda: reference_kk(as_list, K_PARTS, equal), 5 if equal else 2)
+        out[f"speed_{mode}_ours_kk_only_ms"] = _median_ms(lambda: balance.karmarkar_karp(lengths, k_parts, equal),
+                                                          runs(5))
+        out[f"speed_{mode}_greedy_ms"] = _median_ms(lambda: balance.greedy_partition(lengths, k_parts, equal), runs(5))
+        ref = _median_ms(lambda: reference_kk(as_list, k_parts, equal), runs(5 if equal else 2))
         out[f"speed_{mode}_reference_pure_python_kk_ms"] = ref
         out[f"speed_{mode}_speedup_vs_reference"] = round(ref / ours, 1)
         x = lengths.astype(np.float64)
         parts = {
-            "reference_kk": reference_kk(as_list, K_PARTS, equal),
-            "kk": balance.karmarkar_karp(lengths, K_PARTS, equal),
-            "greedy": balance.greedy_partition(lengths, K_PARTS, equal),
-            "ours": balance.get_seqlen_balanced_partitions(lengths, K_PARTS, equal),
+            "reference_kk": reference_kk(as_list, k_parts, equal),
+            "kk": balance.karmarkar_karp(lengths, k_parts, equal),
+            "greedy": balance.greedy_partition(lengths, k_parts, equal),
+            "ours": balance.get_seqlen_balanced_partitions(lengths, k_parts, equal),
         }
         for name, p in parts.items():
             loads = _loads(x, p)
@@ -88,7 +96,7 @@ def _speed() -> dict:
     return out
 
 
-def _quality() -> tuple[dict, bool]:
+def _quality(trials: int) -> tuple[dict, bool]:
     rng = np.random.default_rng(1234)
     ratios: dict[str, list[float]] = {
         k: [] for k in ("contiguous", "kk_equal_size", "greedy_equal_count", "ours_equal_count", "ours_free_count")
@@ -96,7 +104,7 @@ def _quality() -> tuple[dict, bool]:
     never_worse = True
     per_rank = GROUPS // RANKS
     lower_bounds: list[float] = []
-    for _ in range(TRIALS):
+    for _ in range(trials):
         completions = np.maximum(1, np.round(rng.lognormal(5, 1, GROUPS * GENERATIONS))).astype(np.int64)
         w = balance.group_workloads([PROMPT_LEN] * GROUPS, completions, GENERATIONS)
         candidates = {
@@ -122,9 +130,12 @@ def _quality() -> tuple[dict, bool]:
     return out, never_worse
 
 
-def main() -> dict:
-    speed = _speed()
-    quality, never_worse = _quality()
+def main(smoke: bool = False) -> dict:
+    n_items = size("BENCH_ITEMS", N_ITEMS, 1024, smoke)
+    k_parts = size("BENCH_PARTS", K_PARTS, 16, smoke)
+    trials = size("BENCH_TRIALS", TRIALS, 5, smoke)
+    speed = _speed(n_items, k_parts, 0.2 if smoke else 1.0)
+    quality, never_worse = _quality(trials)
     checks = {
         "equal_ms": speed["speed_equal_ours_ms"] <= TARGET_MS["equal"],
         "free_ms": speed["speed_free_ours_ms"] <= TARGET_MS["free"],
@@ -134,12 +145,12 @@ def main() -> dict:
     }
     return {
         "config": {
-            "n_items": N_ITEMS,
-            "k_partitions": K_PARTS,
+            "n_items": n_items,
+            "k_partitions": k_parts,
             "quality_groups": GROUPS,
             "quality_generations": GENERATIONS,
             "quality_ranks": RANKS,
-            "quality_trials": TRIALS,
+            "quality_trials": trials,
         },
         "targets": {"ms": TARGET_MS, "max_over_mean": TARGET_IMBALANCE},
         **speed,

@@ -2,6 +2,9 @@
 
 Peak memory of the training step is measured in a fresh process per variant (RSS high-water mark during the step
 minus the RSS before it); gradients of the two variants are compared in one process (max relative difference).
+
+Environment: BENCH_GROUP (64), BENCH_CHUNKS (4), BENCH_COMPLETION_TOKENS (384). ``--smoke``: a group of 8 in 2 chunks
+of 32-token completions, one fresh process per variant instead of two.
 """
 
 from __future__ import annotations
@@ -13,13 +16,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks._sizes import size
+
 REPO = Path(__file__).resolve().parent.parent
-GROUP = int(os.environ.get("BENCH_GROUP", "64"))
-CHUNKS = int(os.environ.get("BENCH_CHUNKS", "4"))
-LENGTH = int(os.environ.get("BENCH_COMPLETION_TOKENS", "384"))
 
 
-def _trainer(tmp: Path, chunks: int):
+def _trainer(tmp: Path, chunks: int, group: int, length: int):
     import torch
 
     from grpo.config import load_config
@@ -31,9 +33,9 @@ def _trainer(tmp: Path, chunks: int):
 
     cfg = load_config(REPO / "tests" / "micro.yaml", [
         f"output_dir={tmp}", "model.tiny.hidden_size=256", "model.tiny.num_hidden_layers=4",
-        "model.tiny.intermediate_size=1024", f"model.tiny.max_position_embeddings={LENGTH + 16}",
-        "model.warm_start.steps=0", f"grpo.num_generations={GROUP}", f"grpo.per_device_train_batch_size={GROUP}",
-        f"grpo.num_generations_chunks={chunks}", f"grpo.max_completion_length={LENGTH}"])
+        "model.tiny.intermediate_size=1024", f"model.tiny.max_position_embeddings={length + 16}",
+        "model.warm_start.steps=0", f"grpo.num_generations={group}", f"grpo.per_device_train_batch_size={group}",
+        f"grpo.num_generations_chunks={chunks}", f"grpo.max_completion_length={length}"])
     data = load_task_data(cfg.data)
     policy = load_policy(cfg, data, log=lambda *_: None)
     trainer = GRPOTrainer(model=policy.model, processing_class=policy.tokenizer,
@@ -44,10 +46,10 @@ def _trainer(tmp: Path, chunks: int):
     g = torch.Generator().manual_seed(0)
     vocab = trainer.model.config.vocab_size
     batch = {
-        "prompt_ids": torch.randint(3, vocab, (GROUP, 6), generator=g), "prompt_mask": torch.ones(GROUP, 6, dtype=torch.long),
-        "completion_ids": torch.randint(3, vocab, (GROUP, LENGTH), generator=g),
-        "completion_mask": torch.ones(GROUP, LENGTH, dtype=torch.long),
-        "advantages": torch.randn(GROUP, generator=g), "num_items_in_batch": torch.tensor(float(GROUP * LENGTH)),
+        "prompt_ids": torch.randint(3, vocab, (group, 6), generator=g), "prompt_mask": torch.ones(group, 6, dtype=torch.long),
+        "completion_ids": torch.randint(3, vocab, (group, length), generator=g),
+        "completion_mask": torch.ones(group, length, dtype=torch.long),
+        "advantages": torch.randn(group, generator=g), "num_items_in_batch": torch.tensor(float(group * length)),
     }
     return trainer, batch
 
@@ -61,13 +63,13 @@ def _step(trainer, batch):
     return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
 
 
-def _child(chunks: int) -> dict:
+def _child(chunks: int, group: int, length: int) -> dict:
     import resource
 
     import psutil
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainer, batch = _trainer(Path(tmp), chunks)
+        trainer, batch = _trainer(Path(tmp), chunks, group, length)
         _step(trainer, batch)  # warm-up: allocator pools, lazy inits
         trainer.model.zero_grad(set_to_none=True)
         before = psutil.Process().memory_info().rss
@@ -91,29 +93,34 @@ def _child(chunks: int) -> dict:
                 "process_peak_mb": max(peak_before, peak[0]) / 2**20}
 
 
-def main() -> dict:
-    if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        print(json.dumps(_child(int(sys.argv[2]))))
-        return {}
+def main(smoke: bool = False) -> dict:
+    group = size("BENCH_GROUP", 64, 8, smoke)
+    n_chunks = size("BENCH_CHUNKS", 4, 2, smoke)
+    length = size("BENCH_COMPLETION_TOKENS", 384, 32, smoke)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GRPO_CACHE_DIR": tempfile.mkdtemp(prefix="bench-chunk-")}
     results = {}
-    for chunks in (1, CHUNKS, 1, CHUNKS):
-        out = subprocess.run([sys.executable, "-c", "import sys; sys.argv=['x','--child',sys.argv[1]];"
-                              "from benchmarks.chunked_backward import main; main()", str(chunks)],
-                             cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    for chunks in (1, n_chunks) if smoke else (1, n_chunks, 1, n_chunks):
+        out = subprocess.run([sys.executable, "-m", "benchmarks.chunked_backward", "--child", str(chunks), str(group),
+                              str(length)], cwd=REPO, env=env, capture_output=True, text=True, check=True)
         row = json.loads(out.stdout.strip().splitlines()[-1])
         results.setdefault(chunks, []).append(row["step_peak_mb"])
     with tempfile.TemporaryDirectory() as tmp:
-        trainer, batch = _trainer(Path(tmp), 1)
+        trainer, batch = _trainer(Path(tmp), 1, group, length)
         full = _step(trainer, batch)
-        trainer.experiment.grpo.num_generations_chunks = CHUNKS
+        trainer.experiment.grpo.num_generations_chunks = n_chunks
         chunked = _step(trainer, batch)
     rel = float((chunked - full).abs().max() / full.abs().max())
-    unchunked_mb, chunked_mb = min(results[1]), min(results[CHUNKS])
+    unchunked_mb, chunked_mb = min(results[1]), min(results[n_chunks])
+    ratio = chunked_mb / unchunked_mb if unchunked_mb > 0 else None  # None: no step growth measured (tiny sizes)
     return {
-        "group_size": GROUP, "chunks": CHUNKS, "completion_tokens": LENGTH,
+        "group_size": group, "chunks": n_chunks, "completion_tokens": length,
         "step_peak_mb_unchunked": round(unchunked_mb, 1), "step_peak_mb_chunked": round(chunked_mb, 1),
-        "peak_ratio_chunked_over_unchunked": round(chunked_mb / unchunked_mb, 3),
+        "peak_ratio_chunked_over_unchunked": None if ratio is None else round(ratio, 3),
         "max_relative_gradient_difference": rel,
-        "target_peak_ratio": 0.5, "target_met": chunked_mb / unchunked_mb <= 0.5 and rel <= 1e-5,
+        "target_peak_ratio": 0.5, "target_met": ratio is not None and ratio <= 0.5 and rel <= 1e-5,
     }
+
+
+if __name__ == "__main__":  # the measuring child: python -m benchmarks.chunked_backward --child CHUNKS GROUP LENGTH
+    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+        print(json.dumps(_child(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))

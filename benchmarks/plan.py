@@ -4,7 +4,9 @@ Config: per_device_train_batch_size 64, num_generations 8 (8 prompts per rank an
 SP degree 1, seqlen balancing on (its prediction runs on 1000 sampled rounds), max_steps 16,000 = 15,625 rounds of
 epoch 0 plus 375 of epoch 1. Prompt lengths are lognormal(5, 1) tokens. The plan is built in a fresh subprocess so
 its peak RSS (ru_maxrss of the child: interpreter, torch and pyarrow included) is the planner's alone.
-Targets: build_plan <= 10 s, peak RSS <= 500 MB. Run with ``python -m benchmarks plan``.
+Targets: build_plan <= 10 s, peak RSS <= 500 MB. Run with ``python -m benchmarks plan``; ``--smoke`` plans 4,096
+prompts (70 steps: 64 rounds of epoch 0 and 6 of epoch 1) instead (``BENCH_PROMPTS`` and ``BENCH_MAX_STEPS`` override
+either mode).
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks._sizes import size
+
 N_PROMPTS, GENERATIONS, PER_DEVICE, WORLD, MAX_STEPS = 1_000_000, 8, 64, 8, 16_000
 TARGET_SECONDS, TARGET_RSS_MB = 10.0, 500.0
 
 
-def _child(out_dir: str) -> None:
+def _child(out_dir: str, n_prompts: int, max_steps: int) -> None:
     """Runs in the subprocess: build the plan, time it and a resume read, print one JSON line."""
     import numpy as np
 
@@ -29,11 +33,11 @@ def _child(out_dir: str) -> None:
     from grpo.plan import build_plan, read_plan_indices
 
     base = load_config(None, [f"grpo.per_device_train_batch_size={PER_DEVICE}", f"grpo.num_generations={GENERATIONS}",
-                              f"grpo.max_steps={MAX_STEPS}", "grpo.gradient_accumulation_steps=1"])
+                              f"grpo.max_steps={max_steps}", "grpo.gradient_accumulation_steps=1"])
     cfg = base.model_copy(
         update={"sampling": base.sampling.model_copy(update={"world_size": WORLD, "seqlen_balancing": True})}
     )
-    lengths = np.clip(np.round(np.random.default_rng(0).lognormal(5, 1, N_PROMPTS)), 1, 8192).astype(np.int32)
+    lengths = np.clip(np.round(np.random.default_rng(0).lognormal(5, 1, n_prompts)), 1, 8192).astype(np.int32)
     start = time.perf_counter()
     summary = build_plan(cfg, lengths, Path(out_dir))
     seconds = time.perf_counter() - start
@@ -43,11 +47,13 @@ def _child(out_dir: str) -> None:
     print(json.dumps({"seconds": seconds, "resume_first_index_ms": resume_ms, "summary": summary.to_dict()}))
 
 
-def main() -> dict:
+def main(smoke: bool = False) -> dict:
+    n_prompts = size("BENCH_PROMPTS", N_PROMPTS, 4096, smoke)
+    max_steps = size("BENCH_MAX_STEPS", MAX_STEPS, 70, smoke)
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.plan", "--child", tmp], capture_output=True, text=True,
-                              check=False)
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.plan", "--child", tmp, str(n_prompts), str(max_steps)],
+                              capture_output=True, text=True, check=False)
         wall = time.perf_counter() - start
         if proc.returncode:
             raise RuntimeError(f"planning subprocess failed:\n{proc.stderr}")
@@ -58,12 +64,12 @@ def main() -> dict:
     checks = {
         "seconds": child["seconds"] <= TARGET_SECONDS,
         "peak_rss_mb": peak_mb <= TARGET_RSS_MB,
-        "covers_an_epoch": s["generation_rounds"] >= s["rounds_per_epoch"] and s["unique_prompts_used"] == N_PROMPTS,
+        "covers_an_epoch": s["generation_rounds"] >= s["rounds_per_epoch"] and s["unique_prompts_used"] == n_prompts,
         "rows": s["rows"] == s["generation_rounds"] * s["prompts_per_round"],
     }
     return {
-        "config": {"prompts": N_PROMPTS, "num_generations": GENERATIONS, "per_device_train_batch_size": PER_DEVICE,
-                   "world_size": WORLD, "sequence_parallel_degree": 1, "max_steps": MAX_STEPS, "seqlen_balancing": True},
+        "config": {"prompts": n_prompts, "num_generations": GENERATIONS, "per_device_train_batch_size": PER_DEVICE,
+                   "world_size": WORLD, "sequence_parallel_degree": 1, "max_steps": max_steps, "seqlen_balancing": True},
         "targets": {"seconds": TARGET_SECONDS, "peak_rss_mb": TARGET_RSS_MB},
         "seconds": round(child["seconds"], 3),
         "subprocess_wall_seconds": round(wall, 3),
@@ -83,7 +89,7 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        _child(sys.argv[2])
+    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+        _child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     else:
         print(json.dumps(main(), sort_keys=True))

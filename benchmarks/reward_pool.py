@@ -4,7 +4,8 @@ Each batch is 512 completions (64 GRPO groups of 8); the reward spends ~2 ms of 
 one batch is ~1 s serially. Serial and pool batches alternate (so background load hits both alike) after one untimed
 warm-up of each; throughput is completions per second from the median batch time. Run with
 ``python -m benchmarks reward_pool``. The reward lives in this module so spawned workers import it by name
-(``benchmarks.reward_pool.cpu_reward``; the repo root is on sys.path, which spawned children inherit).
+(``benchmarks.reward_pool.cpu_reward``; the repo root is on sys.path, which spawned children inherit). ``--smoke``:
+64 completions per batch, 2 timed batches (``BENCH_COMPLETIONS``, ``BENCH_BATCHES`` override either mode).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 
 import psutil
 
+from benchmarks._sizes import size
 from grpo.reward_pool import RewardWorkerPool
 
 COMPLETIONS, GROUP_SIZE, BATCHES, WORKERS = 512, 8, 4, 2
@@ -33,9 +35,9 @@ def cpu_reward(completions, **kwargs) -> list[float]:
     return out
 
 
-def _batch(seed: int) -> dict:
-    completions = [f"answer {seed}-{i} " * (1 + i % 5) for i in range(COMPLETIONS)]
-    return {"prompts": [f"prompt {i // GROUP_SIZE}" for i in range(COMPLETIONS)], "completions": completions,
+def _batch(seed: int, n: int) -> dict:
+    completions = [f"answer {seed}-{i} " * (1 + i % 5) for i in range(n)]
+    return {"prompts": [f"prompt {i // GROUP_SIZE}" for i in range(n)], "completions": completions,
             "completion_ids": [list(range(len(c) // 4)) for c in completions]}
 
 
@@ -47,8 +49,10 @@ def _busy_seconds(pids: list[int]) -> tuple[float, float]:
     return total.user + total.system + total.nice + getattr(total, "irq", 0) + getattr(total, "softirq", 0), own
 
 
-def main() -> dict:
-    warm_up, *batches = [_batch(seed) for seed in range(BATCHES + 1)]
+def main(smoke: bool = False) -> dict:
+    completions = size("BENCH_COMPLETIONS", COMPLETIONS, 64, smoke)
+    n_batches = size("BENCH_BATCHES", BATCHES, 2, smoke)
+    warm_up, *batches = [_batch(seed, completions) for seed in range(n_batches + 1)]
     serial_s, pool_s, match = [], [], True
     with RewardWorkerPool([cpu_reward], num_workers=WORKERS, timeout=60) as pool:
         cpu_reward(**warm_up)
@@ -64,12 +68,12 @@ def main() -> dict:
             match &= [r[0] for r in rows] == expected and pool.metrics["rewards/errors"] == 0
         end_busy, end_own = _busy_seconds(pool.worker_pids)
         other_cores = ((end_busy - start_busy) - (end_own - start_own)) / (time.perf_counter() - start_wall)
-    serial_tput = COMPLETIONS / statistics.median(serial_s)
-    pool_tput = COMPLETIONS / statistics.median(pool_s)
+    serial_tput = completions / statistics.median(serial_s)
+    pool_tput = completions / statistics.median(pool_s)
     ratio = pool_tput / serial_tput
     return {
-        "completions_per_batch": COMPLETIONS,
-        "timed_batches": BATCHES,
+        "completions_per_batch": completions,
+        "timed_batches": n_batches,
         "workers": WORKERS,
         "serial_ms_per_completion": round(1e3 / serial_tput, 3),
         "serial_completions_per_s": round(serial_tput, 1),

@@ -1,9 +1,10 @@
 """``python -m benchmarks tracking_overhead``: what MLflow tracking and the Prefect pipeline cost.
 
 1. Tracking overhead. The same short GRPO training (``configs/tiny.yaml``, ``BENCH_STEPS`` steps, ``logging_steps=1``
-   so every step logs ~25 metrics: the worst case) with MLflow tracking on (an :class:`MlflowTracker` against a
-   local SQLite store in a temp dir, started, system metrics on, :class:`MlflowCallback` as a trainer callback)
-   versus off (no tracker), in one process. Per-step time is the training wall time / steps (everything the
+   so every step logs ~25 metrics: the worst case) with MLflow tracking on versus off (no tracker), in one process.
+   Tracking on is what the pipeline and ``run_experiment`` do: the config's ``tracking`` section (MLflow, a local
+   SQLite store in a temp dir, system metrics on) through :func:`grpo.run_tracking.start_run_tracking` (params, tags),
+   and :class:`MlflowCallback` as a trainer callback. Per-step time is the training wall time / steps (everything the
    training thread does, callbacks included, plus whatever the tracker's background threads take from it on a
    shared CPU); TRL's own ``step_time`` metric (forward/backward of ``training_step`` only, so it does not contain
    the callbacks) is reported next to it. Also: the cost of one ``log_metrics`` call in the training thread, and
@@ -12,6 +13,8 @@
    ``grpo_pipeline`` (ephemeral Prefect API, MLflow tracking to SQLite) versus the same stages called directly by
    ``grpo.experiment.run_experiment`` with tracking off. Prefect's temporary server starts with the first flow of the
    process; a no-op flow run first measures that start (and a second one the per-flow cost), outside the rounds.
+   The MLflow part of the pipeline is timed by wrapping ``tracker_from_config`` / ``log_model`` in
+   :mod:`grpo.run_tracking`, where the pipeline looks them up; the benchmark fails if the pipeline stops calling them.
 
 The variants run interleaved, the order flipping every round (A B, B A, A B, ...), so machine noise and drift hit
 both alike; each reported figure is the median over rounds. The warm-started tiny models are built once, before any
@@ -22,6 +25,8 @@ Environment: ``BENCH_STEPS`` (60), ``BENCH_ROUNDS`` (3), ``BENCH_PIPELINE_ROUNDS
 the training thread and in the sender thread), ``BENCH_FLUSH_INTERVAL`` (1.0 s, the tracker's default) and
 ``BENCH_SYSTEM_METRICS`` (1) to try other tracker settings, ``BENCH_SEED_CACHE`` (1: copy an identical, already built
 warm start from ``$GRPO_CACHE_DIR`` or ``.cache/grpo`` into the temporary cache instead of rebuilding it).
+``--smoke``: 3 steps of 64 completions, 1 round, no warm-up runs, no profile, a short warm start; 1 pipeline round
+of 4 steps (warm start 10 steps, 16 eval prompts).
 """
 
 from __future__ import annotations
@@ -37,17 +42,35 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
+
+from benchmarks._sizes import TINY_SMOKE_OVERRIDES, size
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = int(os.environ.get("BENCH_STEPS", "60"))
-ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
-PIPELINE_ROUNDS = int(os.environ.get("BENCH_PIPELINE_ROUNDS", "3"))
-PROFILE = os.environ.get("BENCH_PROFILE", "1") not in ("0", "", "false")
-FLUSH_INTERVAL = float(os.environ.get("BENCH_FLUSH_INTERVAL", "1.0"))  # MlflowTracker's default
-SYSTEM_METRICS = os.environ.get("BENCH_SYSTEM_METRICS", "1") not in ("0", "", "false")
 TARGET_PCT = 2.0
 _ORIGINAL_CACHE = os.environ.get("GRPO_CACHE_DIR")
+
+
+@dataclass(frozen=True)
+class Settings:
+    steps: int
+    rounds: int
+    pipeline_rounds: int
+    profile: bool
+    flush_interval: float
+    system_metrics: bool
+    smoke: bool
+
+    @classmethod
+    def choose(cls, smoke: bool) -> Settings:
+        return cls(steps=size("BENCH_STEPS", 60, 3, smoke), rounds=size("BENCH_ROUNDS", 3, 1, smoke),
+                   pipeline_rounds=size("BENCH_PIPELINE_ROUNDS", 3, 1, smoke),
+                   profile=size("BENCH_PROFILE", True, False, smoke),
+                   flush_interval=size("BENCH_FLUSH_INTERVAL", 1.0, 1.0, smoke),  # MlflowTracker's default
+                   system_metrics=size("BENCH_SYSTEM_METRICS", True, True, smoke), smoke=smoke)
 
 
 def _quiet(*_args, **_kwargs) -> None:
@@ -65,27 +88,31 @@ def _pct(new: float, base: float) -> float:
 # ---------------------------------------------------------------------------------------------- 1. tracking overhead
 
 
-def _tracking_overhead(root: Path) -> dict:
+def _tracking_overhead(root: Path, opts: Settings) -> dict:
     from transformers import TrainerCallback
 
     from grpo.config import load_config
     from grpo.data import alphabet_of, load_task_data
     from grpo.policy import Policy, load_policy, tiny_cache_key
+    from grpo.run_tracking import start_run_tracking
     from grpo.runs import open_run_dir
     from grpo.tracking import MlflowCallback, MlflowTracker, sanitize_metric_key
     from grpo.train import train_grpo
 
     out = root / "train-runs"
+    uri = f"sqlite:///{root / 'mlflow-train.db'}"
     cfg = load_config(REPO / "configs" / "tiny.yaml", [
-        f"output_dir={out}", f"grpo.max_steps={STEPS}", "grpo.logging_steps=1",
-        f"grpo.save_steps={STEPS * 10}", "evaluation.enabled=false",
+        f"output_dir={out}", f"grpo.max_steps={opts.steps}", "grpo.logging_steps=1",
+        f"grpo.save_steps={opts.steps * 10}", "evaluation.enabled=false",
+        "tracking.backend=mlflow", f"tracking.tracking_uri={uri}", "tracking.experiment_name=bench-tracking-overhead",
+        f"tracking.log_system_metrics={str(opts.system_metrics).lower()}",
+        *(TINY_SMOKE_OVERRIDES if opts.smoke else []),
     ])
     data = load_task_data(cfg.data)
     seeded_from = _seed_cache(tiny_cache_key(cfg, alphabet_of(data)))
     t0 = time.perf_counter()
     base = load_policy(cfg, data, log=_quiet)  # builds and caches the warm start (outside every timing)
     warm_start_build_s = time.perf_counter() - t0
-    uri = f"sqlite:///{root / 'mlflow-train.db'}"
     MlflowTracker(uri, root / "init-spool").client.search_experiments()  # create the SQLite schema up front
 
     class StepClock(TrainerCallback):
@@ -125,7 +152,7 @@ def _tracking_overhead(root: Path) -> dict:
 
     counter = iter(range(10_000))
 
-    def one(tracking: bool, steps: int = STEPS, profiler=None, sender_profiler=None) -> dict:
+    def one(tracking: bool, steps: int = opts.steps, profiler=None, sender_profiler=None) -> dict:
         run_cfg = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"max_steps": steps})})
         run = open_run_dir(run_cfg, f"{'on' if tracking else 'off'}-{next(counter)}", resume=False)
         policy = Policy(copy.deepcopy(base.model), base.tokenizer, base.source, True, 0.0, [])
@@ -135,9 +162,10 @@ def _tracking_overhead(root: Path) -> dict:
         call_us: list[float] = []
         bg: dict[str, list[tuple[float, float]]] = {"sender": [], "system": []}
         if tracking:
-            tracker = MlflowTracker(uri, run.path / "tracking_spool", log_system_metrics=SYSTEM_METRICS,
-                                    flush_interval=FLUSH_INTERVAL)
-            run_id = tracker.start(run.path.name, "bench-tracking-overhead", params={"bench.steps": steps})
+            # The pipeline's own start: tracker from the config's tracking section, run with its params and tags.
+            tracker = start_run_tracking(run_cfg, run)
+            tracker.flush_interval = opts.flush_interval  # read by the sender on every wait
+            run_id = tracker.run_id
             inner = tracker.log_metrics
 
             def timed_log_metrics(metrics, step, _inner=inner):
@@ -177,14 +205,15 @@ def _tracking_overhead(root: Path) -> dict:
             row.update(_completeness(tracker, run_id, run.metrics_file, sanitize_metric_key, sent_all))
         return row
 
-    one(True, steps=5)  # warm-up: first trainer, first MLflow run and system-metrics monitor, lazy imports
-    one(False, steps=5)
+    if not opts.smoke:
+        one(True, steps=5)  # warm-up: first trainer, first MLflow run and system-metrics monitor, lazy imports
+        one(False, steps=5)
 
     rows: dict[str, list[dict]] = {"off": [], "on": []}
-    for r in range(ROUNDS):
+    for r in range(opts.rounds):
         for variant in _order(r, "off", "on"):
             rows[variant].append(one(variant == "on"))
-            print(f"[tracking_overhead] round {r + 1}/{ROUNDS} {variant}: "
+            print(f"[tracking_overhead] round {r + 1}/{opts.rounds} {variant}: "
                   f"{rows[variant][-1]['per_step_s'] * 1000:.1f} ms/step", file=sys.stderr)
 
     def med(variant: str, key: str) -> float:
@@ -196,10 +225,10 @@ def _tracking_overhead(root: Path) -> dict:
     on_logs = [us for row in rows["on"] for us in row["on_log_us"]]
     complete = all(row["reward_points_match"] and row["all_points_match"] for row in rows["on"])
     result = {
-        "steps": STEPS,
-        "rounds": ROUNDS,
-        "flush_interval_s": FLUSH_INTERVAL,
-        "system_metrics": SYSTEM_METRICS,
+        "steps": opts.steps,
+        "rounds": opts.rounds,
+        "flush_interval_s": opts.flush_interval,
+        "system_metrics": opts.system_metrics,
         "warm_start_build_s": round(warm_start_build_s, 1),
         "warm_start_copied_from": seeded_from,
         "metrics_per_log": rows["on"][0]["metrics_per_log"],
@@ -215,8 +244,8 @@ def _tracking_overhead(root: Path) -> dict:
         "overhead_pct_min": round(_pct(min(r["per_step_s"] for r in rows["on"]),
                                        min(r["per_step_s"] for r in rows["off"])), 2),
         # CPU seconds of the whole process (every thread) during train(): less sensitive to other jobs than wall time
-        "off_cpu_ms_per_step": round(med("off", "cpu_s") / STEPS * 1000, 1),
-        "on_cpu_ms_per_step": round(med("on", "cpu_s") / STEPS * 1000, 1),
+        "off_cpu_ms_per_step": round(med("off", "cpu_s") / opts.steps * 1000, 1),
+        "on_cpu_ms_per_step": round(med("on", "cpu_s") / opts.steps * 1000, 1),
         "cpu_overhead_pct": round(_pct(med("on", "cpu_s"), med("off", "cpu_s")), 2),
         # The tracker's own CPU (training-thread on_log + sender thread + system-metrics sampler) over the untracked
         # run's CPU: the wall-time overhead to expect when training keeps both cores busy; robust to other jobs.
@@ -248,7 +277,7 @@ def _tracking_overhead(root: Path) -> dict:
         "system_metric_points": [row["system_points"] for row in rows["on"]],
         "dropped_duplicates": [row["dropped_duplicates"] for row in rows["on"]],
     }
-    if PROFILE and not result["target_met"]:
+    if opts.profile and not result["target_met"]:
         result["profile"] = _profile(one)
     return result
 
@@ -352,9 +381,8 @@ def _top(profiler: cProfile.Profile, n: int = 12) -> list[str]:
 # ---------------------------------------------------------------------------------------------- 2. pipeline overhead
 
 
-def _pipeline_overhead(root: Path) -> dict:
-    import logging
-
+def _pipeline_overhead(root: Path, opts: Settings) -> dict:
+    import grpo.run_tracking
     from grpo.config import load_config
     from grpo.experiment import run_experiment
     from grpo.runs import open_run_dir
@@ -366,6 +394,8 @@ def _pipeline_overhead(root: Path) -> dict:
 
     def config(kind: str, i: int):
         overrides = [f"output_dir={root / f'pipe-{kind}-{i}'}"]
+        if opts.smoke:
+            overrides += ["grpo.max_steps=4", "model.warm_start.steps=10", "evaluation.num_prompts=16"]
         if kind == "prefect":
             overrides += ["tracking.backend=mlflow", f"tracking.tracking_uri={uri}",
                           "tracking.experiment_name=bench-pipeline"]
@@ -396,7 +426,8 @@ def _pipeline_overhead(root: Path) -> dict:
     noop()
     noop_flow_s = time.perf_counter() - t
 
-    # Where the tracked pipeline spends its tracking time (wrapped in the flow module's namespace only).
+    # Where the tracked pipeline spends its tracking time: the pipeline (like run_experiment) starts its tracker and
+    # logs the model through grpo.run_tracking, so the functions are wrapped in that module's namespace.
     parts: dict[str, list[float]] = {"log_model": [], "tracker_start": [], "tracker_close": []}
 
     def timed(fn, key):
@@ -408,9 +439,7 @@ def _pipeline_overhead(root: Path) -> dict:
                 parts[key].append(time.perf_counter() - s)
         return wrapper
 
-    real_log_model = pipeline.log_model
-    pipeline.log_model = timed(real_log_model, "log_model")
-    real_tracker_from_config = pipeline.tracker_from_config
+    real_tracker_from_config = grpo.run_tracking.tracker_from_config
 
     def tracker_from_config(*args, **kwargs):
         tracker = real_tracker_from_config(*args, **kwargs)
@@ -419,13 +448,10 @@ def _pipeline_overhead(root: Path) -> dict:
             tracker.close = timed(tracker.close, "tracker_close")
         return tracker
 
-    pipeline.tracker_from_config = tracker_from_config
-
     # The progress artifact the train flow updates through the Prefect API after every optimizer step.
     import flows.stages
 
     progress_cls = flows.stages.PrefectProgress
-    originals = {name: getattr(progress_cls, name) for name in ("on_train_begin", "on_step_end")}
     progress_s: list[float] = []
     progress_calls = [0]
 
@@ -439,14 +465,59 @@ def _pipeline_overhead(root: Path) -> dict:
                 progress_calls[0] += 1
         return wrapper
 
-    for name, fn in originals.items():
-        setattr(progress_cls, name, timed_progress(fn))
+    with ExitStack() as patches:  # every wrapper is undone on the way out, also when a round fails
+        patches.enter_context(mock.patch.object(grpo.run_tracking, "tracker_from_config", tracker_from_config))
+        patches.enter_context(mock.patch.object(grpo.run_tracking, "log_model",
+                                                timed(grpo.run_tracking.log_model, "log_model")))
+        for name in ("on_train_begin", "on_step_end"):
+            patches.enter_context(mock.patch.object(progress_cls, name, timed_progress(getattr(progress_cls, name))))
+        times, train_s, flow_runs_before, flow_runs = _pipeline_rounds(opts, config, pipeline, run_experiment,
+                                                                       open_run_dir)
+    # Each tracked (Prefect) round starts, closes and logs a model once; fewer means the wrappers missed the calls the
+    # pipeline really makes (it moved them elsewhere) and the figures below would silently leave them out.
+    for key in parts:
+        if len(parts[key]) != opts.pipeline_rounds:
+            raise RuntimeError(f"pipeline tracking not measured: {key} timed {len(parts[key])} times in "
+                               f"{opts.pipeline_rounds} tracked pipeline runs; update the wrappers in {__name__}")
+    if progress_calls[0] == 0:
+        raise RuntimeError("the train flow's PrefectProgress callback was never called; update the benchmark")
+
+    prefect_s, direct_s = statistics.median(times["prefect"]), statistics.median(times["direct"])
+    return {
+        "rounds": opts.pipeline_rounds,
+        "micro_warm_start_build_s": round(warm_start_build_s, 1),
+        "prefect_pipeline_s": round(prefect_s, 2),
+        "direct_run_experiment_s": round(direct_s, 2),
+        "difference_s": round(prefect_s - direct_s, 2),
+        "prefect_pipeline_s_rounds": [round(x, 2) for x in times["prefect"]],
+        "direct_run_experiment_s_rounds": [round(x, 2) for x in times["direct"]],
+        "train_s_prefect_rounds": [round(x, 2) for x in train_s["prefect"]],
+        "train_s_direct_rounds": [round(x, 2) for x in train_s["direct"]],
+        "prefect_server_start_s": round(first_flow_s - noop_flow_s, 2),
+        "prefect_first_noop_flow_s": round(first_flow_s, 2),
+        "prefect_noop_flow_s": round(noop_flow_s, 3),
+        # flow runs per pipeline run (the pipeline and its subflows); each pays about prefect_noop_flow_s
+        "prefect_flow_runs_per_pipeline": (None if flow_runs is None or flow_runs_before is None
+                                           else (flow_runs - flow_runs_before) / opts.pipeline_rounds),
+        "train_s_difference": round(statistics.median(train_s["prefect"]) - statistics.median(train_s["direct"]), 2),
+        "prefect_progress_artifact_calls_per_run": progress_calls[0] // opts.pipeline_rounds,
+        "prefect_progress_artifact_s_per_run": round(sum(progress_s) / opts.pipeline_rounds, 2),
+        "prefect_progress_artifact_ms_per_call": round(statistics.median(progress_s) * 1000, 1) if progress_s else None,
+        "mlflow_log_model_s": [round(x, 2) for x in parts["log_model"]],
+        "mlflow_tracker_start_s": [round(x, 2) for x in parts["tracker_start"]],
+        "mlflow_tracker_close_s": [round(x, 2) for x in parts["tracker_close"]],
+    }
+
+
+def _pipeline_rounds(opts: Settings, config, pipeline, run_experiment, open_run_dir):
+    """The timed rounds of part 2: the Prefect pipeline (tracked) and run_experiment (untracked), interleaved."""
+    import logging
 
     flow_runs_before = _count_flow_runs()
     times: dict[str, list[float]] = {"prefect": [], "direct": []}
     train_s: dict[str, list[float]] = {"prefect": [], "direct": []}
     quiet_loggers = [logging.getLogger(n) for n in ("prefect", "prefect.flow_runs", "prefect.task_runs")]
-    for r in range(PIPELINE_ROUNDS):
+    for r in range(opts.pipeline_rounds):
         for kind in _order(r, "direct", "prefect"):
             cfg = config(kind, r)
             t = time.perf_counter()
@@ -463,39 +534,10 @@ def _pipeline_overhead(root: Path) -> dict:
                 summary = run_experiment(cfg, open_run_dir(cfg, f"direct-{r}", False), log=_quiet)
             times[kind].append(time.perf_counter() - t)
             train_s[kind].append(summary["train_seconds"])
-            print(f"[tracking_overhead] pipeline round {r + 1}/{PIPELINE_ROUNDS} {kind}: {times[kind][-1]:.1f}s",
+            print(f"[tracking_overhead] pipeline round {r + 1}/{opts.pipeline_rounds} {kind}: {times[kind][-1]:.1f}s",
                   file=sys.stderr)
 
-    flow_runs = _count_flow_runs()
-    for name, fn in originals.items():
-        setattr(progress_cls, name, fn)
-    pipeline.log_model, pipeline.tracker_from_config = real_log_model, real_tracker_from_config
-
-    prefect_s, direct_s = statistics.median(times["prefect"]), statistics.median(times["direct"])
-    return {
-        "rounds": PIPELINE_ROUNDS,
-        "micro_warm_start_build_s": round(warm_start_build_s, 1),
-        "prefect_pipeline_s": round(prefect_s, 2),
-        "direct_run_experiment_s": round(direct_s, 2),
-        "difference_s": round(prefect_s - direct_s, 2),
-        "prefect_pipeline_s_rounds": [round(x, 2) for x in times["prefect"]],
-        "direct_run_experiment_s_rounds": [round(x, 2) for x in times["direct"]],
-        "train_s_prefect_rounds": [round(x, 2) for x in train_s["prefect"]],
-        "train_s_direct_rounds": [round(x, 2) for x in train_s["direct"]],
-        "prefect_server_start_s": round(first_flow_s - noop_flow_s, 2),
-        "prefect_first_noop_flow_s": round(first_flow_s, 2),
-        "prefect_noop_flow_s": round(noop_flow_s, 3),
-        # flow runs per pipeline run (the pipeline and its subflows); each pays about prefect_noop_flow_s
-        "prefect_flow_runs_per_pipeline": (None if flow_runs is None or flow_runs_before is None
-                                           else (flow_runs - flow_runs_before) / PIPELINE_ROUNDS),
-        "train_s_difference": round(statistics.median(train_s["prefect"]) - statistics.median(train_s["direct"]), 2),
-        "prefect_progress_artifact_calls_per_run": progress_calls[0] // max(PIPELINE_ROUNDS, 1),
-        "prefect_progress_artifact_s_per_run": round(sum(progress_s) / max(PIPELINE_ROUNDS, 1), 2),
-        "prefect_progress_artifact_ms_per_call": round(statistics.median(progress_s) * 1000, 1) if progress_s else None,
-        "mlflow_log_model_s": [round(x, 2) for x in parts["log_model"]],
-        "mlflow_tracker_start_s": [round(x, 2) for x in parts["tracker_start"]],
-        "mlflow_tracker_close_s": [round(x, 2) for x in parts["tracker_close"]],
-    }
+    return times, train_s, flow_runs_before, _count_flow_runs()
 
 
 def _count_flow_runs() -> int | None:
@@ -508,18 +550,21 @@ def _count_flow_runs() -> int | None:
         return None
 
 
-def main() -> dict:
+def main(smoke: bool = False) -> dict:
+    settings = Settings.choose(smoke)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect gives its temporary server 20 s to start, which a busy 2-core machine can miss (its start is timed apart).
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     root = Path(tempfile.mkdtemp(prefix="bench-tracking-"))
     os.environ["GRPO_CACHE_DIR"] = str(root / "cache")  # shared by all rounds; warm starts built before timing
     if not os.environ.get("PREFECT_API_URL"):
         os.environ.setdefault("PREFECT_HOME", str(root / "prefect"))  # a fresh ephemeral Prefect database
     started = time.perf_counter()
     load_before = [round(x, 2) for x in os.getloadavg()]
-    tracking = _tracking_overhead(root)
-    pipeline = _pipeline_overhead(root) if PIPELINE_ROUNDS > 0 else None
+    tracking = _tracking_overhead(root, settings)
+    pipeline = _pipeline_overhead(root, settings) if settings.pipeline_rounds > 0 else None
     return {
         "tracking": tracking,
         "pipeline": pipeline,

@@ -2,6 +2,8 @@
 
 Same tiny warm-started model, data, seed, config and number of steps, in one process. The two trainers run
 alternately (ours, TRL, ours, TRL, ...) so machine noise hits both alike; throughput is the median over rounds.
+
+Environment: BENCH_STEPS (60), BENCH_ROUNDS (3). ``--smoke``: 3 steps of 64 completions, 1 round, a short warm start.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks._sizes import TINY_SMOKE_OVERRIDES, size
+
 REPO = Path(__file__).resolve().parent.parent
-STEPS = int(os.environ.get("BENCH_STEPS", "60"))
-ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 
 
-def main() -> dict:
+def main(smoke: bool = False) -> dict:
+    steps = size("BENCH_STEPS", 60, 3, smoke)
+    rounds = size("BENCH_ROUNDS", 3, 1, smoke)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import trl
     from transformers import set_seed
@@ -31,8 +35,9 @@ def main() -> dict:
     from grpo.trainer import GRPOTrainer
 
     out = Path(tempfile.mkdtemp(prefix="bench-parity-"))
-    cfg = load_config(REPO / "configs" / "tiny.yaml", [f"output_dir={out}", f"grpo.max_steps={STEPS}",
-                                                       f"grpo.logging_steps={STEPS}"])
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [f"output_dir={out}", f"grpo.max_steps={steps}",
+                                                       f"grpo.logging_steps={steps}",
+                                                       *(TINY_SMOKE_OVERRIDES if smoke else [])])
     data = load_task_data(cfg.data)
     policy = load_policy(cfg, data, log=lambda *_: None)
     completions_per_step = cfg.generation_batch_size // (cfg.grpo.steps_per_generation or 1)
@@ -49,17 +54,17 @@ def main() -> dict:
         trainer.train()
         seconds = time.perf_counter() - start
         rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-        return STEPS * completions_per_step / seconds, rewards[-1]
+        return steps * completions_per_step / seconds, rewards[-1]
 
     ours, stock = [], []
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         ours.append(one(GRPOTrainer, "ours"))
         stock.append(one(trl.GRPOTrainer, "trl"))
     ours_cps = statistics.median(c for c, _ in ours)
     trl_cps = statistics.median(c for c, _ in stock)
     return {
-        "steps": STEPS,
-        "rounds": ROUNDS,
+        "steps": steps,
+        "rounds": rounds,
         "completions_per_step": completions_per_step,
         "ours_completions_per_s": round(ours_cps, 1),
         "trl_completions_per_s": round(trl_cps, 1),

@@ -1,0 +1,129 @@
+"""Every benchmark runs in smoke mode, ``python -m benchmarks NAME --smoke``, so none can rot unnoticed.
+
+One test per module in ``benchmarks/`` (from ``benchmarks.__main__.available()``): a new benchmark without a smoke mode,
+or without a check below, fails here. The checks are on what a broken benchmark would get wrong (counts, equalities,
+finite ratios), never on timings: smoke sizes say nothing about performance.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from benchmarks.__main__ import available
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _finite(value, low: float = -math.inf, high: float = math.inf) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and low <= value <= high)
+
+
+def _async_overlap(r: dict) -> None:
+    assert r["steps"] == 8 and r["rounds"] == 1
+    assert _finite(r["ratio_async_over_sync"], 0.05, 20), r["ratio_async_over_sync"]
+    for variant in ("sync", "async", "sync_1_thread"):
+        assert _finite(r[f"{variant}_step_s"], 1e-4), (variant, r[f"{variant}_step_s"])
+        assert _finite(r[f"{variant}_gain"], -1, 1), (variant, r[f"{variant}_gain"])  # accuracy after - before
+
+
+def _balance(r: dict) -> None:
+    assert r["quality_ours_never_worse_than_kk_or_greedy"] is True
+    ours = r["quality_ours_equal_count_mean_max_over_mean"]
+    assert _finite(ours, r["quality_equal_count_lower_bound_mean_max_over_mean"] - 1e-9, 1.03), ours
+    assert r["spread_equal_ours_max_minus_min_tokens"] <= r["spread_equal_reference_kk_max_minus_min_tokens"]
+    assert _finite(r["speed_free_speedup_vs_reference"], 1e-3)
+
+
+def _chunked_backward(r: dict) -> None:
+    assert _finite(r["max_relative_gradient_difference"], 0, 1e-4), r["max_relative_gradient_difference"]
+    assert _finite(r["step_peak_mb_unchunked"], 0) and _finite(r["step_peak_mb_chunked"], 0)
+    assert r["peak_ratio_chunked_over_unchunked"] is None or _finite(r["peak_ratio_chunked_over_unchunked"], 1e-3)
+
+
+def _plan(r: dict) -> None:
+    assert not {"covers_an_epoch", "rows"} & set(r["targets_failed"]), r["targets_failed"]
+    assert r["unique_prompts_used"] == r["config"]["prompts"]
+    assert r["generation_rounds"] == r["config"]["max_steps"] > r["rounds_per_epoch"]
+    assert r["rows"] == r["generation_rounds"] * r["config"]["per_device_train_batch_size"]
+    assert _finite(r["peak_rss_mb"], 1)
+
+
+def _reward_pool(r: dict) -> None:
+    assert r["values_match_serial"] is True
+    assert _finite(r["speedup"], 0.05), r["speedup"]
+    assert len(r["pool_batch_s"]) == len(r["serial_batch_s"]) == r["timed_batches"]
+
+
+def _tracking_overhead(r: dict) -> None:
+    t = r["tracking"]
+    assert t["all_points_arrived"] is True  # every metric point of every tracked run reached MLflow after close()
+    assert t["reward_points"] == t["reward_points_expected"] == [t["steps"]], (t["reward_points"], t["steps"])
+    assert t["points_mlflow"] == t["points_expected"] and t["points_expected"][0] >= 20 * t["steps"]
+    assert t["log_metrics_calls"] >= t["steps"]
+    assert _finite(t["overhead_pct"], -100) and _finite(t["on_per_step_ms"], 0) and _finite(t["off_per_step_ms"], 0)
+    p = r["pipeline"]
+    assert len(p["mlflow_tracker_start_s"]) == len(p["mlflow_tracker_close_s"]) == len(p["mlflow_log_model_s"]) == 1
+    assert p["prefect_progress_artifact_calls_per_run"] >= 4  # at least one per optimizer step (4 in smoke mode)
+    assert _finite(p["prefect_pipeline_s"], 0) and _finite(p["direct_run_experiment_s"], 0)
+
+
+def _trl_parity(r: dict) -> None:
+    assert _finite(r["ratio_ours_over_trl"], 0.05, 20), r["ratio_ours_over_trl"]
+    assert _finite(r["ours_final_mean_reward"], 0, 1) and _finite(r["trl_final_mean_reward"], 0, 1)
+    # same model, data, seed and config: a trainer that no longer learns like TRL's shows here
+    assert abs(r["ours_final_mean_reward"] - r["trl_final_mean_reward"]) <= 0.05, r
+    assert r["completions_per_step"] == 64  # smoke: 8 prompts x 8 completions
+
+
+CHECKS: dict[str, Callable[[dict], None]] = {
+    "async_overlap": _async_overlap,
+    "balance": _balance,
+    "chunked_backward": _chunked_backward,
+    "plan": _plan,
+    "reward_pool": _reward_pool,
+    "tracking_overhead": _tracking_overhead,
+    "trl_parity": _trl_parity,
+}
+FAST = {"balance", "reward_pool"}  # seconds; the others train, start servers or plan in a subprocess
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in FAST else [pytest.mark.slow]) for n in available()])
+def test_benchmark_smoke(name):
+    assert name in CHECKS, f"benchmark {name} has no smoke check in tests/test_benchmarks.py"
+    # Sub-processes inherit the session's GRPO_CACHE_DIR, so the tiny warm start is built once for all of them.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    # Below pytest's 900 s, so a hang reports the benchmark's output; async_overlap, the slowest, took 360 s on 2 cores
+    # shared with three other test runs (load ~8).
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", name, "--smoke"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["benchmark"] == name
+    assert result["smoke"] is True
+    CHECKS[name](result)
+
+
+def test_smoke_needs_a_smoke_mode(tmp_path):
+    """``--smoke`` on a benchmark whose main() takes no ``smoke`` is a usage error, not a full-size run."""
+    package = tmp_path / "benchmarks"
+    package.mkdir()
+    for f in ("__init__.py", "__main__.py"):
+        (package / f).write_text((REPO / "benchmarks" / f).read_text())
+    (package / "legacy.py").write_text("def main() -> dict:\n    return {'ran': True}\n")
+    run = lambda *args: subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=tmp_path,  # noqa: E731
+                                       capture_output=True, text=True, timeout=120)
+    smoke = run("legacy", "--smoke")
+    assert smoke.returncode == 2 and "no smoke mode" in smoke.stderr
+    full = run("legacy")
+    assert full.returncode == 0 and json.loads(full.stdout.splitlines()[-1]) == {"benchmark": "legacy", "ran": True,
+                                                                                 "smoke": False}
