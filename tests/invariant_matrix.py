@@ -57,22 +57,26 @@ OPTIONS: dict[str, list[Any]] = {
 }
 BASE: Row = {name: values[0] for name, values in OPTIONS.items()}
 
-# Combinations the config refuses at load (the test checks each really is refused, with its reason).
-REFUSED = {
-    "is_mode without a producer": lambda r: r.get("is_mode", "off") != "off" and r.get("async") is False,
+# Combinations the config refuses at load (with 2 processes), and a pattern of the reason it gives: the test checks
+# each really is refused with it (tests/test_config_combinations.py holds the full messages).
+REFUSED: dict[str, tuple[Any, str]] = {
+    "is_mode without a producer": (
+        lambda r: r.get("is_mode", "off") != "off" and r.get("async") is False, "needs async.use_data_producer"),
+    "balancing x bnpo (a micro-batch's own token count is its normaliser)": (
+        lambda r: r.get("balancing") is True and r.get("loss_type") == "bnpo", "'bnpo' with sampling.seqlen_balancing"),
+    "balancing x entropy_coef (a token mean per micro-batch)": (
+        lambda r: r.get("balancing") is True and r.get("entropy") == "entropy_coef",
+        "entropy_coef / use_adaptive_entropy with sampling.seqlen_balancing"),
+    "balancing x top_entropy_quantile x several micro-batches per round": (
+        lambda r: r.get("balancing") is True and r.get("entropy") == "top_entropy_quantile" and r.get("spg", 1) > 1,
+        "top_entropy_quantile .* with sampling.seqlen_balancing"),
 }
 # Combinations that give a wrong gradient today and are being fixed elsewhere: left out of the matrix until then.
-KNOWN_GAPS = {
-    # item 3: the entropy bonus and the top-entropy mask are computed per chunk, not per micro-batch
-    "issue #10 item 3: chunks x entropy options": lambda r: r.get("chunks", 1) > 1 and r.get("entropy", "none") != "none",
-    # item 4: token-budget micro-batches have unequal sizes, and per-micro-batch normalised losses weight them wrongly
-    "issue #10 item 4: balancing x per-micro-batch loss x several micro-batches per round": lambda r: (
-        r.get("balancing") is True and r.get("spg") == 2 and r.get("loss_type") in ("grpo", "bnpo", "dr_grpo")),
-}
+KNOWN_GAPS: dict[str, Any] = {}
 
 
 def excluded(row: Row) -> str | None:
-    for reason, rule in {**REFUSED, **KNOWN_GAPS}.items():
+    for reason, rule in {**{k: rule for k, (rule, _) in REFUSED.items()}, **KNOWN_GAPS}.items():
         if rule(row):
             return reason
     return None
@@ -271,7 +275,8 @@ def _metric_total(logs: list[dict], name: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--only", default="", help="comma-separated probe names and/or 'pairwise'")
+    parser.add_argument("--only", default="", help="comma-separated probe names and/or 'pairwise' / 'pairwise-sync' "
+                        "(the rows without the async producer)")
     parser.add_argument("--timeout", type=int, default=60, help="seconds a collective may wait (a hang fails)")
     args = parser.parse_args(argv)
 
@@ -292,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple[str, Row]] = [(name, PROBES[name]) for name in selected if name in PROBES]
     if "pairwise" in selected:
         rows += [(name_of(r), r) for r in design()[0]]
+    elif "pairwise-sync" in selected:
+        rows += [(name_of(r), r) for r in design()[0] if not r["async"]]
 
     base_cfg = config_from_dict(config_dict(BASE, world, 1, args.timeout), "matrix base")
     data = load_task_data(base_cfg.data)
