@@ -6,6 +6,7 @@ config that differs from the one the run started with.
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -127,6 +128,12 @@ _BEFORE_TRAINING = {".lock", "config.yaml", "run.log", "inputs.json", "eval_befo
 
 _LOCK = ".lock"
 _CLAIMED: dict[Path, object] = {}  # run dir -> its open lock file, held until this process exits
+
+
+@atexit.register
+def _release_claims() -> None:
+    for f in _CLAIMED.values():
+        f.close()
 
 
 def _claim(run: RunDir) -> None:
