@@ -17,6 +17,7 @@ from prefect.context import get_run_context
 
 import grpo.stages
 from flows.stages import PrefectProgress, eval_flow, plan_flow, prep_flow, summarize_for_ui
+from grpo.confine import check_config_paths
 from grpo.config import ExperimentConfig, load_config, presets, resolve_config
 from grpo.experiment import write_summary
 from grpo.prep import load_prepared
@@ -87,6 +88,7 @@ def grpo_pipeline(
         tracking_tags: Extra MLflow run tags (a sweep sets mlflow.parentRunId to nest its trials).
     """
     config = resolve_config(config, preset, overrides)
+    check_config_paths(config)  # a served run (grpo serve) stays inside the allowed roots (#12.15)
     started = time.perf_counter()
     logger = get_run_logger()
     flow_run_id, flow_run_name, attempt = _flow_run_info()

@@ -315,6 +315,9 @@ def serve(
         "local"
     ),
     limit: Annotated[Optional[int], typer.Option("--limit", help="At most this many flow runs at once.")] = None,
+    allow_path: Annotated[Optional[list[Path]], typer.Option(
+        "--allow-path", help="Runs may also read and write under DIR (repeatable; default: only the current "
+                             "directory, plus $GRPO_SERVE_ALLOW_PATHS).")] = None,
 ) -> None:
     """Serve the pipeline (and sweep) flows on the Prefect server at PREFECT_API_URL until Ctrl-C: runs started from
     the Prefect UI, or by the schedule, execute here; no work pool or worker needed."""
@@ -329,7 +332,12 @@ def serve(
         deployments = serving.build_deployments(name, config, schedule, schedule_flow, timezone)
     except GRPOPlatformError as err:
         _fail(str(err))
+    from grpo.confine import ENV, serve_roots
+
+    roots = serve_roots(Path.cwd(), allow_path)
+    os.environ[ENV] = os.pathsep.join(map(str, roots))  # inherited by the flow runs this process starts
     typer.echo(f"Prefect server: {url.removesuffix('/api')}  (Ctrl-C stops serving and pauses the schedules)")
+    typer.echo(f"runs may read and write under: {', '.join(map(str, roots))}")
     serving.serve(deployments, limit=limit, echo=typer.echo)
 
 
