@@ -27,6 +27,7 @@ from grpo.tracking import MlflowCallback, MlflowTracker
 from grpo.train import train_grpo
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+FLOW_RUNS_STARTED: list[str] = []  # this process's pipeline flow runs: the CLI cancels them on Ctrl-C / SIGTERM
 _TRACKERS: dict[str, MlflowTracker] = {}  # run dir -> tracker, shared by the subflows of one pipeline run
 
 
@@ -92,6 +93,8 @@ def grpo_pipeline(
     started = time.perf_counter()
     logger = get_run_logger()
     flow_run_id, flow_run_name, attempt = _flow_run_info()
+    if flow_run_id is not None:
+        FLOW_RUNS_STARTED.append(flow_run_id)
     name = run_name or f"{config.name}-{flow_run_name or time.strftime('%Y%m%d-%H%M%S')}"
     run_path = Path(config.output_dir) / name
     resume = resume or (attempt > 1 and run_path.exists())  # a retried flow run continues its run directory

@@ -121,3 +121,157 @@ def test_served_runs_are_confined_to_the_allowed_roots(prefect_server, tmp_path)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+
+
+# ---------------------------------------------------------------- #12.5 Ctrl-C, #12.6 SIGTERM
+
+
+def _start_run(tmp_path: Path, mlflow_uri: str, name: str) -> tuple[subprocess.Popen, Path]:
+    """`grpo run` (micro sized, many steps) as the leader of its own process group, on the embedded Prefect server
+    (own PREFECT_HOME, so its database can be read afterwards), tracked on the session's MLflow server."""
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PYTHONUNBUFFERED="1",
+               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    sets = [f"output_dir={tmp_path}", "grpo.max_steps=400", "grpo.logging_steps=1", "grpo.save_steps=4",
+            "tracking.backend=mlflow", f"tracking.tracking_uri={mlflow_uri}", "tracking.experiment_name=signals",
+            "tracking.log_system_metrics=false", "evaluation.before_training=false", "model.warm_start.steps=10"]
+    args = [sys.executable, "-m", "grpo.cli", "run", "--config", str(MICRO), "--run-name", name]
+    for s in sets:
+        args += ["--set", s]
+    log = (tmp_path / f"{name}.out").open("w")
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    return proc, tmp_path / f"{name}.out"
+
+
+def _wait_training(proc: subprocess.Popen, run_dir: Path, out: Path, timeout: float = 400) -> list:
+    """Wait for a logged step, then return every process of the run: its tree (the embedded server included)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no training step (exit {proc.poll()}):\n{out.read_text()[-3000:]}")
+        time.sleep(0.5)
+    main = psutil.Process(proc.pid)
+    tree = [main, *main.children(recursive=True)]
+    assert any("uvicorn" in " ".join(p.cmdline()) for p in tree[1:]), [p.cmdline() for p in tree]
+    return tree
+
+
+def _alive(procs: list, grace: float = 15) -> list:
+    import psutil
+
+    deadline = time.monotonic() + grace
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _pipeline_state(prefect_home: Path) -> str:
+    import sqlite3
+
+    with sqlite3.connect(prefect_home / "prefect.db") as db:
+        rows = db.execute("SELECT flow_run.state_type FROM flow_run JOIN flow ON flow.id = flow_run.flow_id "
+                          "WHERE flow.name = 'grpo-pipeline'").fetchall()
+    assert len(rows) == 1, rows
+    return rows[0][0]
+
+
+def _mlflow_status(uri: str, run_dir: Path) -> str:
+    import json
+
+    from mlflow import MlflowClient
+
+    run_id = json.loads((run_dir / "tracking_spool" / "state.json").read_text())["run_id"]
+    return MlflowClient(uri).get_run(run_id).info.status
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_run_and_marks_it_cancelled(tmp_path, mlflow_server):
+    """#12.5: Ctrl-C (SIGINT to the terminal's process group) mid-training. Before the fix the embedded Prefect
+    server died of the same SIGINT, the CLI retried its dead API and was still alive 120 s later, and the flow run
+    and MLflow run stayed RUNNING."""
+    proc, out = _start_run(tmp_path, mlflow_server.uri, "ctrl-c")
+    tree = _wait_training(proc, tmp_path / "ctrl-c", out)
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        for p in _alive(tree, 0):
+            p.kill()
+        pytest.fail(f"still running 60 s after Ctrl-C:\n{out.read_text()[-3000:]}")
+    assert proc.returncode == 130, out.read_text()[-3000:]
+    assert _alive(tree) == []
+    assert "flow run(s) cancelled" in out.read_text()
+    assert _pipeline_state(tmp_path / "prefect-home") == "CANCELLED"
+    assert _mlflow_status(mlflow_server.uri, tmp_path / "ctrl-c") == "KILLED"
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_cli_leaves_no_server_behind(tmp_path, mlflow_server):
+    """#12.6: SIGTERM to the CLI's process alone. Before the fix the CLI died and its embedded Prefect server
+    (uvicorn) kept running as an orphan."""
+    proc, out = _start_run(tmp_path, mlflow_server.uri, "term")
+    tree = _wait_training(proc, tmp_path / "term", out)
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"still running 60 s after SIGTERM:\n{out.read_text()[-3000:]}")
+    left = _alive(tree)
+    for p in left:
+        p.kill()
+    assert left == [], [p.cmdline() for p in left]
+    assert proc.returncode == 143, out.read_text()[-3000:]
+    assert _pipeline_state(tmp_path / "prefect-home") == "CANCELLED"
+    assert _mlflow_status(mlflow_server.uri, tmp_path / "term") == "KILLED"
+
+
+SERVER_OWNER = """
+import sys, time
+from pathlib import Path
+from tests.servers import MlflowServer
+server = MlflowServer(Path(sys.argv[1])).start()
+print(server.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_test_process_takes_its_servers_with_it(tmp_path):
+    """#12.6: an MLflow server of a (session) fixture outlived the SIGKILLed pytest that started it."""
+    import sys
+
+    import psutil
+
+    owner = subprocess.Popen([sys.executable, "-c", SERVER_OWNER, str(tmp_path / "mlflow")],
+                             cwd=Path(__file__).parent.parent,
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = owner.stdout.readline()
+        assert line.strip().isdigit(), owner.wait(timeout=60)
+        leader = psutil.Process(int(line))
+        servers = [leader, *leader.children(recursive=True)]
+        assert any("mlflow" in " ".join(p.cmdline()) for p in servers), [p.cmdline() for p in servers]
+        owner.kill()  # SIGKILL: no atexit, no fixture teardown
+        owner.wait(timeout=30)
+        left = _alive(servers, grace=30)
+        for p in left:
+            p.kill()
+        assert left == [], [p.cmdline() for p in left]
+    finally:
+        if owner.poll() is None:
+            owner.kill()
