@@ -232,10 +232,10 @@ def test_sigterm_to_the_cli_leaves_no_server_behind(tmp_path, mlflow_server):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail(f"still running 60 s after SIGTERM:\n{out.read_text()[-3000:]}")
-    left = _alive(tree)
-    for p in left:
+    left = [" ".join(p.cmdline()[:4]) for p in _alive(tree)]
+    for p in _alive(tree, grace=0):
         p.kill()
-    assert left == [], [p.cmdline() for p in left]
+    assert left == [], left
     assert proc.returncode == 143, out.read_text()[-3000:]
     assert _pipeline_state(tmp_path / "prefect-home") == "CANCELLED"
     assert _mlflow_status(mlflow_server.uri, tmp_path / "term") == "KILLED"
@@ -268,10 +268,10 @@ def test_a_killed_test_process_takes_its_servers_with_it(tmp_path):
         assert any("mlflow" in " ".join(p.cmdline()) for p in servers), [p.cmdline() for p in servers]
         owner.kill()  # SIGKILL: no atexit, no fixture teardown
         owner.wait(timeout=30)
-        left = _alive(servers, grace=30)
-        for p in left:
+        left = [p.pid for p in _alive(servers, grace=30)]
+        for p in _alive(servers, grace=0):
             p.kill()
-        assert left == [], [p.cmdline() for p in left]
+        assert left == [], "server processes outlived their killed owner"  # before: mlflow server still running
     finally:
         if owner.poll() is None:
             owner.kill()
