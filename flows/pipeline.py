@@ -17,6 +17,7 @@ from prefect.context import get_run_context
 
 import grpo.stages
 from flows.stages import PrefectProgress, eval_flow, plan_flow, prep_flow, summarize_for_ui
+from grpo.confine import check_config_paths
 from grpo.config import ExperimentConfig, load_config, presets, resolve_config
 from grpo.experiment import write_summary
 from grpo.prep import load_prepared
@@ -26,6 +27,7 @@ from grpo.tracking import MlflowCallback, MlflowTracker
 from grpo.train import train_grpo
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+FLOW_RUNS_STARTED: list[str] = []  # this process's pipeline flow runs: the CLI cancels them on Ctrl-C / SIGTERM
 _TRACKERS: dict[str, MlflowTracker] = {}  # run dir -> tracker, shared by the subflows of one pipeline run
 
 
@@ -87,9 +89,12 @@ def grpo_pipeline(
         tracking_tags: Extra MLflow run tags (a sweep sets mlflow.parentRunId to nest its trials).
     """
     config = resolve_config(config, preset, overrides)
+    check_config_paths(config)  # a served run (grpo serve) stays inside the allowed roots (#12.15)
     started = time.perf_counter()
     logger = get_run_logger()
     flow_run_id, flow_run_name, attempt = _flow_run_info()
+    if flow_run_id is not None:
+        FLOW_RUNS_STARTED.append(flow_run_id)
     name = run_name or f"{config.name}-{flow_run_name or time.strftime('%Y%m%d-%H%M%S')}"
     run_path = Path(config.output_dir) / name
     resume = resume or (attempt > 1 and run_path.exists())  # a retried flow run continues its run directory

@@ -342,6 +342,9 @@ def grpo_sweep(
         trial_timeout: Seconds a deployment trial may take before it counts as failed.
     """
     logger = get_run_logger()
+    from grpo.confine import check_config_paths
+
+    check_config_paths(config)  # a served sweep (grpo serve) stays inside the allowed roots (#12.15)
     if direction not in DIRECTIONS:
         raise ValueError(f"direction: {direction!r} is not one of {', '.join(DIRECTIONS)}")
     if max_concurrency < 1:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -76,6 +78,33 @@ def _log_to_file(path: Path) -> None:
     root.addHandler(handler)
 
 
+@contextmanager
+def _stoppable(saved: str):
+    """Run a flow so that Ctrl-C or SIGTERM stops it within seconds (#12.5, #12.6): the embedded Prefect server runs
+    in its own session (a Ctrl-C to the terminal does not kill it under the run) and dies with this process; the
+    first signal unwinds the run (its MLflow run ends KILLED) and marks its flow runs Cancelled; exit 130 / 143. A
+    second Ctrl-C exits at once."""
+    from prefect.exceptions import TerminationSignal
+
+    from grpo import procguard
+
+    server = procguard.embedded_prefect_server()
+    procguard.install_signal_handlers()
+    try:
+        yield
+    except (KeyboardInterrupt, procguard.Terminated, TerminationSignal) as err:
+        code = procguard.exit_code(err)
+        from flows.pipeline import FLOW_RUNS_STARTED
+
+        cancelled = procguard.cancel_flow_runs(FLOW_RUNS_STARTED, server.api_url if server else None,
+                                               f"stopped by {signal.Signals(code - 128).name}")
+        typer.echo(f"interrupted ({signal.Signals(code - 128).name}): {cancelled} flow run(s) cancelled; {saved}",
+                   err=True)
+        raise typer.Exit(code=code) from None
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _load(config: Path | None, overrides: list[str] | None, reward_modules: list[Path] | None):
     from grpo.config import load_config
     from grpo.rewards import load_reward_module
@@ -121,7 +150,9 @@ def run(
             from flows.pipeline import grpo_pipeline
 
             _log_to_file(run_dir.path / "run.log")
-            summary = grpo_pipeline(config=cfg, run_name=name, resume=resume)
+            with _stoppable(f"checkpoints and metrics so far are in {run_dir.path}; continue with --resume "
+                            f"--run-name {name}"):
+                summary = grpo_pipeline(config=cfg, run_name=name, resume=resume)
     except GRPOPlatformError as err:
         _fail(str(err))
     except RuntimeError as err:
@@ -174,8 +205,9 @@ def sweep(
         from flows.sweep import SweepError, grpo_sweep
 
         try:
-            result = grpo_sweep(config=cfg, space=space_data, max_concurrency=max_concurrency, metric=metric,
-                                direction=direction, sweep_name=name, use_deployment=deployment)
+            with _stoppable(f"finished trials are in {Path(cfg.output_dir)}"):
+                    result = grpo_sweep(config=cfg, space=space_data, max_concurrency=max_concurrency, metric=metric,
+                                    direction=direction, sweep_name=name, use_deployment=deployment)
         except SweepError as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(code=1) from None
@@ -315,6 +347,9 @@ def serve(
         "local"
     ),
     limit: Annotated[Optional[int], typer.Option("--limit", help="At most this many flow runs at once.")] = None,
+    allow_path: Annotated[Optional[list[Path]], typer.Option(
+        "--allow-path", help="Runs may also read and write under DIR (repeatable; default: only the current "
+                             "directory, plus $GRPO_SERVE_ALLOW_PATHS).")] = None,
 ) -> None:
     """Serve the pipeline (and sweep) flows on the Prefect server at PREFECT_API_URL until Ctrl-C: runs started from
     the Prefect UI, or by the schedule, execute here; no work pool or worker needed."""
@@ -329,7 +364,12 @@ def serve(
         deployments = serving.build_deployments(name, config, schedule, schedule_flow, timezone)
     except GRPOPlatformError as err:
         _fail(str(err))
+    from grpo.confine import ENV, serve_roots
+
+    roots = serve_roots(Path.cwd(), allow_path)
+    os.environ[ENV] = os.pathsep.join(map(str, roots))  # inherited by the flow runs this process starts
     typer.echo(f"Prefect server: {url.removesuffix('/api')}  (Ctrl-C stops serving and pauses the schedules)")
+    typer.echo(f"runs may read and write under: {', '.join(map(str, roots))}")
     serving.serve(deployments, limit=limit, echo=typer.echo)
 
 

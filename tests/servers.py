@@ -2,8 +2,8 @@
 it) and a Prefect server with its own PREFECT_HOME.
 
 ``tests/conftest.py`` registers this module as a plugin, so every test module shares one server per session. The
-server is killed at the end of the session; tests may kill and restart it (same port, same store) to simulate an
-outage.
+server is killed at the end of the session, and with the test process if that is killed (grpo.procguard); tests
+may kill and restart it (same port, same store) to simulate an outage.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 import pytest
 import requests
 
+from grpo.procguard import die_with_parent, guarded_command
 from grpo.ui import wait_healthy
 
 
@@ -58,7 +59,9 @@ class MlflowServer:
         env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # no job-runner process: starts several seconds faster
         log = self.log_path.open("ab")
         # Own process group: stop() ends the CLI and the uvicorn worker it spawns, nothing else.
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # The guard ends the group when this process dies, even by SIGKILL (a killed pytest leaves no server).
+        self.proc = subprocess.Popen(guarded_command(cmd), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, preexec_fn=die_with_parent())
         log.close()
         try:
             wait_healthy(f"{self.uri}/health", self.proc, timeout)
@@ -126,9 +129,10 @@ class PrefectServer:
 
     def start(self, timeout: float = 120) -> PrefectServer:
         with self.log.open("ab") as log:
-            self.proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
-                                          "--port", str(self.port)], env=self.env(), stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(guarded_command([str(BIN / "prefect"), "server", "start", "--host",
+                                                          "127.0.0.1", "--port", str(self.port)]),
+                                         env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=die_with_parent())
         try:
             wait_healthy(f"{self.url}/health", self.proc, timeout)
         except RuntimeError as err:

@@ -1,0 +1,178 @@
+"""Child servers that die with their parent, and the CLI's Ctrl-C / SIGTERM handling (#12.5, #12.6).
+
+* :func:`die_with_parent` is a ``preexec_fn``: the child gets a signal when the thread that started it (start it
+  from the main thread) ends, so a killed parent (SIGKILL included) leaves no server behind (Linux
+  ``prctl(PR_SET_PDEATHSIG)``).
+* ``python -m grpo.procguard CMD ...`` runs CMD under a small guard that leads its process group: when the guard's
+  parent dies, or it gets SIGTERM/SIGINT/SIGHUP, it stops the whole group (CMD and whatever CMD spawned, e.g.
+  ``mlflow server``'s uvicorn worker), which a parent-death signal on CMD alone would not reach.
+* :func:`embedded_prefect_server` starts Prefect's ephemeral API server (what ``grpo run`` uses when no
+  ``PREFECT_API_URL`` is set) in its own session, so a Ctrl-C to the terminal's process group no longer kills it
+  under the running flow, and with a parent-death signal.
+* :func:`install_signal_handlers`: the first SIGINT raises KeyboardInterrupt, the first SIGTERM raises
+  :class:`Terminated` (both unwind the run: the MLflow run is closed KILLED, the flow run marked cancelled); a second
+  SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+PR_SET_PDEATHSIG = 1
+
+
+def _set_pdeathsig(sig: int) -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def die_with_parent(sig: int = signal.SIGTERM):
+    """A ``preexec_fn`` for Popen: the child gets ``sig`` when its parent dies (also if it already has)."""
+    parent = os.getpid()
+
+    def preexec() -> None:
+        _set_pdeathsig(sig)
+        if os.getppid() != parent:  # the parent died between fork and prctl
+            os._exit(1)
+
+    return preexec
+
+
+def guarded_command(cmd: list[str]) -> list[str]:
+    """``cmd`` run under the process-group guard (see the module docstring); Popen it with
+    ``start_new_session=True, preexec_fn=die_with_parent()``."""
+    return [sys.executable, "-m", "grpo.procguard", *cmd]
+
+
+def _guard(cmd: list[str]) -> int:
+    """Run ``cmd`` in this (new) process group; end the group when this process's parent dies or on a signal."""
+    parent = os.getppid()
+    child = subprocess.Popen(cmd)
+    stopping = []
+
+    def stop(signum=None, frame=None) -> None:
+        stopping.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
+    while child.poll() is None and not stopping and os.getppid() == parent:
+        time.sleep(0.2)
+    if child.poll() is not None:
+        return child.returncode
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(0, sig) if sig == signal.SIGKILL else _signal_group_but_me(sig)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + grace
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return 128 + signal.SIGTERM
+
+
+def _signal_group_but_me(sig: int) -> None:
+    signal.signal(sig, signal.SIG_IGN)
+    os.killpg(0, sig)
+
+
+# ---------------------------------------------------------------- the embedded Prefect server
+
+
+def embedded_prefect_server():
+    """Start Prefect's ephemeral API server now (from the main thread), in its own session and with a parent-death
+    signal; Prefect's clients then use it as they would their own. None when ``PREFECT_API_URL`` is set or ephemeral
+    mode is off. RuntimeError (Prefect's message) when it does not start in time."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return None
+
+    class GuardedServer(SubprocessASGIServer):
+        def _run_uvicorn_command(self) -> subprocess.Popen:
+            real_popen = subprocess.Popen
+
+            def popen(*args, **kwargs):
+                return real_popen(*args, start_new_session=True, preexec_fn=die_with_parent(), **kwargs)
+
+            subprocess.Popen = popen  # only for the call below, from the main thread
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                subprocess.Popen = real_popen
+
+    server = GuardedServer()  # registered as Prefect's ephemeral instance: SubprocessASGIServer() returns it
+    server.start()
+    return server
+
+
+# ---------------------------------------------------------------- signals in the CLI
+
+
+class Terminated(BaseException):
+    """SIGTERM asked this process to stop (a BaseException, like KeyboardInterrupt: the run ends KILLED)."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
+
+
+_received: list[int] = []
+
+
+def _on_signal(signum: int, frame) -> None:
+    if _received:
+        if signum == signal.SIGINT:  # a second Ctrl-C: stop at once (the server dies with us)
+            os.write(2, b"interrupted again: exiting now\n")
+            os._exit(130)
+        return  # a repeated SIGTERM (Prefect re-sends the one it caught to this handler): already stopping
+    _received.append(signum)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Terminated(signum)
+
+
+def install_signal_handlers() -> None:
+    _received.clear()
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+
+
+def exit_code(err: BaseException) -> int:
+    """130 after SIGINT, 143 after SIGTERM (Prefect's TerminationSignal included)."""
+    if _received:
+        return 128 + _received[0]
+    return 128 + int(getattr(err, "signum", getattr(err, "signal", signal.SIGINT if isinstance(
+        err, KeyboardInterrupt) else signal.SIGTERM)))
+
+
+def cancel_flow_runs(flow_run_ids: list[str], api_url: str | None, reason: str, timeout: float = 10.0) -> int:
+    """Force each flow run (the CLI's, interrupted) to Cancelled on the Prefect API; how many were. Bounded: a
+    server that does not answer costs ``timeout`` seconds per run, not Prefect's client retries."""
+    import httpx
+
+    if api_url is None:
+        from prefect.settings import PREFECT_API_URL
+
+        api_url = PREFECT_API_URL.value()
+    if not api_url:
+        return 0
+    done = 0
+    for flow_run_id in dict.fromkeys(flow_run_ids):
+        try:
+            response = httpx.post(f"{api_url.rstrip('/')}/flow_runs/{flow_run_id}/set_state", timeout=timeout,
+                                  json={"state": {"type": "CANCELLED", "name": "Cancelled", "message": reason},
+                                        "force": True})
+            done += response.status_code in (200, 201)
+        except httpx.HTTPError:
+            continue
+    return done
+
+
+if __name__ == "__main__":
+    sys.exit(_guard(sys.argv[1:]))

@@ -1,0 +1,277 @@
+"""Issue #12, items 5, 6 and 15: Ctrl-C and SIGTERM stop a run cleanly and leave no server behind; runs started from
+the Prefect UI stay inside the allowed roots. Real processes, real signals, real Prefect and MLflow servers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo.config import load_config
+from tests.conftest import MICRO
+from tests.servers import BIN, PrefectServer
+
+# ---------------------------------------------------------------- #12.15 path confinement of served runs
+
+
+def test_paths_outside_the_allowed_roots_are_refused(tmp_path):
+    from grpo.confine import PathNotAllowed, check_config_paths
+
+    allowed = tmp_path / "allowed"
+    (allowed / "data").mkdir(parents=True)
+    (allowed / "data" / "d.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / "outside.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (allowed / "escape.jsonl").symlink_to(tmp_path / "outside.jsonl")
+    roots = [allowed.resolve()]
+    ok = load_config(MICRO, [f"output_dir={allowed}/runs", f"data.source={allowed}/data/d.jsonl"])
+    check_config_paths(ok, roots)
+    check_config_paths(load_config(MICRO, ["output_dir=/"]), None)  # not a served run: no confinement
+    for override, field in [("output_dir=/", "output_dir '/'"), (f"output_dir={allowed}/../x", "output_dir"),
+                            (f"data.source={tmp_path}/outside.jsonl", "data.source"),
+                            (f"data.source={allowed}/escape.jsonl", "data.source")]:
+        with pytest.raises(PathNotAllowed) as err:
+            check_config_paths(load_config(MICRO, [f"output_dir={allowed}/runs", override]), roots)
+        assert str(err.value).startswith(field) and f"allowed roots ({allowed.resolve()})" in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    server = PrefectServer(tmp_path_factory.mktemp("prefect-home")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _wait_final(s: PrefectServer, flow_run_id: str, timeout: float, log: Path) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        run = s.get(f"flow_runs/{flow_run_id}")
+        if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return run["state"]
+        assert time.monotonic() < deadline, (run["state"], log.read_text()[-3000:])
+        time.sleep(1)
+
+
+@pytest.mark.slow
+def test_served_runs_are_confined_to_the_allowed_roots(prefect_server, tmp_path):
+    """#12.15: a run started from the Prefect UI with output_dir=/ or a data file outside the roots (or
+    /etc/passwd) fails with a message naming the field and the roots; a run inside an --allow-path root runs.
+    Before the fix the output_dir=/ run tried to create /micro-... and the outside data file was trained on."""
+    s = prefect_server
+    project, allowed = tmp_path / "project", tmp_path / "allowed"
+    project.mkdir()
+    allowed.mkdir()
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(200)))
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(BIN / "grpo"), "serve", "--name", "confined", "--allow-path", str(allowed)],
+                                env=s.env(), cwd=project, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            served = s.post("deployments/filter", {"deployments": {"name": {"any_": ["confined"]}}}).json()
+            if any(d["name"] == "confined" for d in served):
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        deployment = s.get("deployments/name/grpo-pipeline/confined")
+        base = ["tracking.backend=none", "grpo.max_steps=2", "grpo.logging_steps=1", "grpo.save_steps=100",
+                "model.warm_start.steps=5", "evaluation.enabled=false"]
+
+        def start(*overrides: str) -> str:
+            passwd = "data.source=/etc/passwd" in overrides  # the form sends any string
+            cfg = load_config(MICRO, [*base, *(o for o in overrides if not passwd or "passwd" not in o)]
+                              ).model_dump(mode="json", by_alias=True)
+            if passwd:
+                cfg["data"]["source"] = "/etc/passwd"
+            for _ in range(30):  # a busy SQLite server answers 503 for a moment
+                created = s.post(f"deployments/{deployment['id']}/create_flow_run", {"parameters": {"config": cfg}})
+                if created.status_code != 503:
+                    break
+                time.sleep(2)
+            assert created.status_code == 201, created.text
+            return created.json()["id"]
+
+        root_run = start("output_dir=/")
+        outside_run = start(f"output_dir={allowed}/runs", f"data.source={outside}")
+        passwd_run = start(f"output_dir={allowed}/runs", "data.source=/etc/passwd")
+        ok_run = start(f"output_dir={allowed}/runs")
+        roots = f"allowed roots ({project.resolve()}, {allowed.resolve()})"
+        state = _wait_final(s, root_run, 300, log)
+        assert state["type"] == "FAILED" and "output_dir '/' is outside the " + roots in state["message"], state
+        state = _wait_final(s, outside_run, 300, log)
+        assert state["type"] == "FAILED" and f"data.source '{outside}' is outside the " + roots in state["message"]
+        state = _wait_final(s, passwd_run, 300, log)
+        assert state["type"] == "FAILED" and "/etc/passwd" in state["message"], state
+        state = _wait_final(s, ok_run, 400, log)
+        assert state["type"] == "COMPLETED", (state, log.read_text()[-3000:])
+        assert [p.name for p in (allowed / "runs").iterdir()]  # the allowed run wrote its run directory there
+        assert not list(Path("/").glob("micro-*"))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+# ---------------------------------------------------------------- #12.5 Ctrl-C, #12.6 SIGTERM
+
+
+def _start_run(tmp_path: Path, mlflow_uri: str, name: str) -> tuple[subprocess.Popen, Path]:
+    """`grpo run` (micro sized, many steps) as the leader of its own process group, on the embedded Prefect server
+    (own PREFECT_HOME, so its database can be read afterwards), tracked on the session's MLflow server."""
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PYTHONUNBUFFERED="1",
+               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    sets = [f"output_dir={tmp_path}", "grpo.max_steps=400", "grpo.logging_steps=1", "grpo.save_steps=4",
+            "tracking.backend=mlflow", f"tracking.tracking_uri={mlflow_uri}", "tracking.experiment_name=signals",
+            "tracking.log_system_metrics=false", "evaluation.before_training=false", "model.warm_start.steps=10"]
+    args = [sys.executable, "-m", "grpo.cli", "run", "--config", str(MICRO), "--run-name", name]
+    for s in sets:
+        args += ["--set", s]
+    log = (tmp_path / f"{name}.out").open("w")
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    return proc, tmp_path / f"{name}.out"
+
+
+def _wait_training(proc: subprocess.Popen, run_dir: Path, out: Path, timeout: float = 400) -> list:
+    """Wait for a logged step, then return every process of the run: its tree (the embedded server included)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no training step (exit {proc.poll()}):\n{out.read_text()[-3000:]}")
+        time.sleep(0.5)
+    main = psutil.Process(proc.pid)
+    tree = [main, *main.children(recursive=True)]
+    assert any("uvicorn" in " ".join(p.cmdline()) for p in tree[1:]), [p.cmdline() for p in tree]
+    return tree
+
+
+def _alive(procs: list, grace: float = 15) -> list:
+    import psutil
+
+    deadline = time.monotonic() + grace
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _pipeline_state(prefect_home: Path) -> str:
+    import sqlite3
+
+    with sqlite3.connect(prefect_home / "prefect.db") as db:
+        rows = db.execute("SELECT flow_run.state_type FROM flow_run JOIN flow ON flow.id = flow_run.flow_id "
+                          "WHERE flow.name = 'grpo-pipeline'").fetchall()
+    assert len(rows) == 1, rows
+    return rows[0][0]
+
+
+def _mlflow_status(uri: str, run_dir: Path) -> str:
+    import json
+
+    from mlflow import MlflowClient
+
+    run_id = json.loads((run_dir / "tracking_spool" / "state.json").read_text())["run_id"]
+    return MlflowClient(uri).get_run(run_id).info.status
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_run_and_marks_it_cancelled(tmp_path, mlflow_server):
+    """#12.5: Ctrl-C (SIGINT to the terminal's process group) mid-training. Before the fix the embedded Prefect
+    server died of the same SIGINT, the CLI retried its dead API and was still alive 120 s later, and the flow run
+    and MLflow run stayed RUNNING."""
+    proc, out = _start_run(tmp_path, mlflow_server.uri, "ctrl-c")
+    tree = _wait_training(proc, tmp_path / "ctrl-c", out)
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        for p in _alive(tree, 0):
+            p.kill()
+        pytest.fail(f"still running 60 s after Ctrl-C:\n{out.read_text()[-3000:]}")
+    assert proc.returncode == 130, out.read_text()[-3000:]
+    assert _alive(tree) == []
+    assert "flow run(s) cancelled" in out.read_text()
+    assert _pipeline_state(tmp_path / "prefect-home") == "CANCELLED"
+    assert _mlflow_status(mlflow_server.uri, tmp_path / "ctrl-c") == "KILLED"
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_cli_leaves_no_server_behind(tmp_path, mlflow_server):
+    """#12.6: SIGTERM to the CLI's process alone. Before the fix the CLI died and its embedded Prefect server
+    (uvicorn) kept running as an orphan."""
+    proc, out = _start_run(tmp_path, mlflow_server.uri, "term")
+    tree = _wait_training(proc, tmp_path / "term", out)
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"still running 60 s after SIGTERM:\n{out.read_text()[-3000:]}")
+    left = [" ".join(p.cmdline()[:4]) for p in _alive(tree)]
+    for p in _alive(tree, grace=0):
+        p.kill()
+    assert left == [], left
+    assert proc.returncode == 143, out.read_text()[-3000:]
+    assert _pipeline_state(tmp_path / "prefect-home") == "CANCELLED"
+    assert _mlflow_status(mlflow_server.uri, tmp_path / "term") == "KILLED"
+
+
+SERVER_OWNER = """
+import sys, time
+from pathlib import Path
+from tests.servers import MlflowServer
+server = MlflowServer(Path(sys.argv[1])).start()
+print(server.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_test_process_takes_its_servers_with_it(tmp_path):
+    """#12.6: an MLflow server of a (session) fixture outlived the SIGKILLed pytest that started it."""
+    import sys
+
+    import psutil
+
+    owner = subprocess.Popen([sys.executable, "-c", SERVER_OWNER, str(tmp_path / "mlflow")],
+                             cwd=Path(__file__).parent.parent,
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = owner.stdout.readline()
+        assert line.strip().isdigit(), owner.wait(timeout=60)
+        leader = psutil.Process(int(line))
+        servers = [leader, *leader.children(recursive=True)]
+        assert any("mlflow" in " ".join(p.cmdline()) for p in servers), [p.cmdline() for p in servers]
+        owner.kill()  # SIGKILL: no atexit, no fixture teardown
+        owner.wait(timeout=30)
+        left = [p.pid for p in _alive(servers, grace=30)]
+        for p in _alive(servers, grace=0):
+            p.kill()
+        assert left == [], "server processes outlived their killed owner"  # before: mlflow server still running
+    finally:
+        if owner.poll() is None:
+            owner.kill()
