@@ -67,9 +67,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "balancing x entropy_coef (a token mean per micro-batch)": (
         lambda r: r.get("balancing") is True and r.get("entropy") == "entropy_coef",
         "entropy_coef / use_adaptive_entropy with sampling.seqlen_balancing"),
-    "balancing x beta > 0 x several micro-batches per round (not yet exact)": (
-        lambda r: r.get("balancing") is True and r.get("beta", 0.0) > 0 and r.get("spg", 1) > 1,
-        r"grpo.beta .* with sampling.seqlen_balancing"),
     "balancing x top_entropy_quantile x several micro-batches per round": (
         lambda r: r.get("balancing") is True and r.get("entropy") == "top_entropy_quantile" and r.get("spg", 1) > 1,
         "top_entropy_quantile .* with sampling.seqlen_balancing"),

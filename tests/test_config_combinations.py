@@ -40,11 +40,6 @@ REFUSED = {
         ["grpo.extra.top_entropy_quantile (0.5)", "2 micro-batches", "use steps_per_generation 1"],
         [*BALANCED, "grpo.extra.top_entropy_quantile=0.5", "grpo.steps_per_generation=1"],
     ),
-    "kl_with_balancing_and_several_micro_batches": (
-        [*BALANCED, "grpo.beta=0.04", "grpo.steps_per_generation=2"],
-        ["grpo.beta (0.04) > 0 with sampling.seqlen_balancing", "2 micro-batches", "use grpo.beta: 0"],
-        [*BALANCED, "grpo.beta=0.04", "grpo.steps_per_generation=1"],
-    ),
     "sync_interval_above_staleness": (
         ["async.async_prefetch=true", "async.vllm_sync_interval=3", "async.max_staleness=2"],
         ["async.vllm_sync_interval (3) > async.max_staleness (2)", "dropped and generated again",
