@@ -97,7 +97,11 @@ def neutral_options(row: Row, world: int) -> list[str]:
         out.append("streaming")
     # Moving groups between ranks changes the maths where a rank's own batch is a normaliser: bnpo divides by the
     # rank's token count, top_entropy_quantile takes its threshold over the rank's micro-batch (TRL's semantics).
-    if row["balancing"] and world > 1 and row["loss_type"] != "bnpo" and row["entropy"] != "top_entropy_quantile":
+    # Balancing is exact per generation round: when one optimizer step takes only part of a round's micro-batches
+    # (steps_per_generation not dividing gradient_accumulation_steps), it moves rows between optimizer steps, as
+    # TRL's shuffle of the generation batch does, so a single step legitimately differs.
+    if (row["balancing"] and world > 1 and row["loss_type"] != "bnpo" and row["entropy"] != "top_entropy_quantile"
+            and row["ga"] % row["spg"] == 0):
         out.append("balancing")
     return out
 
