@@ -215,7 +215,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         rest of set-up; its first round is generated with weights pushed at that moment (see _async_rollouts)."""
         from grpo.async_producer import AsyncRolloutProducer, producer_threads
 
-        from safetensors.torch import save_model
+        from safetensors.torch import save_file
 
         # Each rank writes its own copy: under torch.distributed, save_pretrained writes on rank 0 only, so another
         # rank's generator would find an empty (or half-written) directory.
@@ -223,7 +223,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         init_dir.mkdir(parents=True, exist_ok=True)
         model = self.accelerator.unwrap_model(self.model)
         model.config.save_pretrained(init_dir)
-        save_model(model, str(init_dir / "model.safetensors"))
+        # Every tensor under its own name (tied embeddings included): safetensors' save_model keeps one name of a
+        # tied pair, and from_pretrained then left the other randomly initialised, so the generator sampled garbage.
+        state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+        save_file(state, str(init_dir / "model.safetensors"), metadata={"format": "pt"})
         gc = self.generation_config
         gen = {"max_new_tokens": self.max_completion_length, "temperature": gc.temperature, "top_p": gc.top_p,
                "top_k": gc.top_k, "pad_token_id": self._tokenizer.pad_token_id, "eos_token_ids": list(self.eos_token_ids)}
