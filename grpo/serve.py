@@ -143,7 +143,26 @@ def serve(deployments: list, limit: int | None = None, echo=print) -> None:
     for d in deployments:
         when = f", schedule {d.schedules[0].schedule.cron}" if d.schedules else ""
         echo(f"serving {d.flow_name}/{d.name}{when}")
-    prefect.serve(*deployments, limit=limit, print_starting_message=False)
+    try:
+        prefect.serve(*deployments, limit=limit, print_starting_message=False)
+    finally:
+        pause_served(deployments)
+
+
+def pause_served(deployments: list) -> None:
+    """Pause the served deployments' schedules. Prefect's runner pauses them only once it has started; a Ctrl-C
+    between registering the deployments and that point left a schedule firing runs that no process serves."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        for d in deployments:
+            try:
+                deployment = client.read_deployment_by_name(f"{d.flow_name}/{d.name}")
+            except ObjectNotFound:  # interrupted before it was registered
+                continue
+            if not deployment.paused:
+                client.pause_deployment(deployment.id)
 
 
 # ---------------------------------------------------------------- grpo deploy
