@@ -17,6 +17,7 @@ from prefect.context import get_run_context
 
 import grpo.stages
 from flows.stages import PrefectProgress, eval_flow, plan_flow, prep_flow, summarize_for_ui
+from grpo.console import quiet_library_noise
 from grpo.confine import check_config_paths
 from grpo.config import ExperimentConfig, load_config, presets, resolve_config
 from grpo.experiment import write_summary
@@ -40,7 +41,7 @@ _PRESETS = tuple(presets())
 Preset = Literal[_PRESETS] if _PRESETS else str  # type: ignore[valid-type]
 
 
-@flow(name="grpo-train")
+@flow(name="grpo-train", flow_run_name="train")
 def train_flow(config: ExperimentConfig, run_dir: str, data_dir: str, plan_path: str, resume: bool = False) -> dict:
     """GRPO training into ``run_dir``; resumes from the last checkpoint when one exists (no blind retries)."""
     run = RunDir(Path(run_dir))
@@ -51,7 +52,7 @@ def train_flow(config: ExperimentConfig, run_dir: str, data_dir: str, plan_path:
     if tracker is not None:
         callbacks.append(MlflowCallback(tracker))
     result = train_grpo(config, policy, load_prepared(Path(data_dir))["train"], run, resume,
-                        plan_path=Path(plan_path), callbacks=callbacks)
+                        plan_path=Path(plan_path), callbacks=callbacks, echo=get_run_logger().info)
     return {"steps": result.steps, "seconds": result.seconds, "resumed_from": result.resumed_from,
             "metric_names": result.metric_names, "reward_curve": result.reward_curve,
             "model_dir": str(run.model_dir), "policy_source": policy.source}
@@ -73,7 +74,7 @@ def _ui_url(flow_run_id: str | None) -> str | None:
     return f"{base.rstrip('/')}/runs/flow-run/{flow_run_id}" if base and flow_run_id else None
 
 
-@flow(name="grpo-pipeline", log_prints=True)
+@flow(name="grpo-pipeline")  # no log_prints: stages log explicitly, library prints stay out of the run log
 def grpo_pipeline(
     preset: Preset | None = None, config: ExperimentConfig = default_config(), overrides: list[str] | None = None,
     run_name: str | None = None, resume: bool = False, tracking_tags: dict | None = None,
@@ -88,6 +89,7 @@ def grpo_pipeline(
         resume: Continue an existing run directory from its last checkpoint, into the same MLflow run.
         tracking_tags: Extra MLflow run tags (a sweep sets mlflow.parentRunId to nest its trials).
     """
+    quiet_library_noise()
     config = resolve_config(config, preset, overrides)
     check_config_paths(config)  # a served run (grpo serve) stays inside the allowed roots (#12.15)
     started = time.perf_counter()

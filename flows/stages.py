@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, task
+from prefect import get_run_logger, flow, task
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
@@ -91,7 +91,7 @@ def prepare_task(data_config: dict, out_dir: str, config: ExperimentConfig) -> d
     return grpo.stages.prep_stage(config, Path(out_dir))
 
 
-@flow(name="grpo-prep")
+@flow(name="grpo-prep", flow_run_name="prep")
 def prep_flow(config: ExperimentConfig) -> dict:
     """Validate and prepare the dataset (cached on the data config, source contents and prep code; the prep task
     retries transient faults only)."""
@@ -99,6 +99,9 @@ def prep_flow(config: ExperimentConfig) -> dict:
     # a cached result points at a directory; if that was deleted, recompute instead of returning a dangling path
     task_ = prepare_task.with_options(refresh_cache=not _complete(out_dir, "stats.json"))
     stats = task_(config.data.model_dump(mode="json"), str(out_dir), config)
+    quarantined = stats["rows_quarantined"]
+    get_run_logger().info(f"data: {stats['rows_valid']} of {stats['rows_in']} rows valid" + (
+        f", {quarantined} quarantined (reasons in {out_dir / 'quarantine.jsonl'})" if quarantined else ""))
     create_markdown_artifact(
         key="dataset-prep",
         markdown=(f"## Dataset prep\n\nSource `{config.data.source}` → `{out_dir}`\n\n"
@@ -128,7 +131,7 @@ def plan_task(plan_key: str, data_dir: str, out_dir: str, config: ExperimentConf
     return grpo.stages.plan_stage(config, Path(data_dir), Path(out_dir), tokenizer)
 
 
-@flow(name="grpo-plan")
+@flow(name="grpo-plan", flow_run_name="plan")
 def plan_flow(config: ExperimentConfig, data_dir: str, data_hash: str) -> dict:
     """Write the sampler plan (cached on data, sampling/batch fields and plan code)."""
     out_dir = plan_dir_for(config, data_hash)
@@ -167,7 +170,7 @@ class PrefectProgress(TrainerCallback):
             update_progress_artifact(self.artifact_id, progress=100.0 * state.global_step / state.max_steps)
 
 
-@flow(name="grpo-eval", retries=2, retry_delay_seconds=5)
+@flow(name="grpo-eval", flow_run_name="eval-{tag}", retries=2, retry_delay_seconds=5)
 def eval_flow(config: ExperimentConfig, model_source: str, data_dir: str, out_file: str, tag: str) -> dict:
     """Greedy accuracy and pass@k of a model on the held-out split."""
     policy = (grpo.stages.trained_policy(Path(model_source)) if Path(model_source, "config.json").is_file()

@@ -12,6 +12,7 @@ from pathlib import Path
 from collections.abc import Callable
 
 from grpo import distributed
+from grpo.console import quiet_library_noise
 from grpo.config import ExperimentConfig
 from grpo.prep import load_prepared
 from grpo.run_tracking import end_status, eval_metrics, log_numbers, log_run_artifacts, plan_metrics, prep_metrics, start_run_tracking
@@ -29,6 +30,7 @@ def run_experiment(
     Under a multi-process launch every rank trains; rank 0 alone prepares data, builds the cached policy, plans,
     evaluates and writes the summary (other ranks return None).
     """
+    quiet_library_noise()
     started = time.perf_counter()
     main = distributed.is_main_process()
     if not main:
@@ -81,8 +83,7 @@ def _stages(cfg, run, resume, log, main, tracker, callbacks, started) -> dict | 
 
     callbacks = [*callbacks, *([MlflowCallback(tracker)] if tracker is not None else [])]
     result = train_grpo(cfg, policy, load_prepared(data_dir)["train"], run, resume, plan_path=plan_path,
-                        callbacks=callbacks)
-    log(f"train: {result.steps} steps in {result.seconds:.1f}s")
+                        callbacks=callbacks, echo=log)
     if not main:
         return None
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from datasets import Dataset
 from transformers import TrainerCallback
@@ -32,7 +32,7 @@ def grpo_args(cfg: ExperimentConfig, output_dir: Path, use_cpu: bool = True):
         save_strategy="steps",
         logging_strategy="steps",
         use_cpu=use_cpu,
-        disable_tqdm=False,
+        disable_tqdm=True,  # the console line is ConsoleProgress's
         dataloader_num_workers=0,
         shuffle_dataset=cfg.sampling.shuffle,
         vllm_importance_sampling_correction=cfg.async_.vllm_importance_sampling_correction,
@@ -69,8 +69,51 @@ class MetricsRecorder(TrainerCallback):
             f.write(json.dumps({"step": state.global_step, "metrics": clean}) + "\n")
 
 
-def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+class ConsoleProgress(TrainerCallback):
+    """One short line per logged step on the console: step, reward (per reward function too), accuracy-like and
+    loss figures, seconds per step and ETA. Replaces transformers' progress bar and printer, which glue the whole
+    log dict (every value quoted as a string) onto the bar: one 3,000-character line when not in a terminal. The
+    full metrics go to metrics.jsonl and MLflow."""
+
+    def __init__(self, echo=print) -> None:
+        self.echo = echo
+        self.started: tuple[float, int] | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = (time.monotonic(), state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or not state.is_world_process_zero:
+            return
+        if "train_runtime" in logs:  # the trainer's closing summary
+            self.echo(f"train: {state.global_step} steps in {_duration(logs['train_runtime'])}")
+            return
+        self.echo(progress_line(logs, state.global_step, state.max_steps, self.started))
+
+
+def progress_line(logs: dict, step: int, max_steps: int, started: tuple[float, int] | None) -> str:
+    """``step 3/10 | reward 0.42 ±0.31 | exact_match 0.40 | loss 0.012 | 1.8 s/step | ETA 13s``."""
+    parts = [f"step {step}/{max_steps}"]
+    if isinstance(logs.get("reward"), (int, float)):
+        std = logs.get("reward_std")
+        parts.append(f"reward {logs['reward']:.3f}" + (f" ±{std:.2f}" if isinstance(std, (int, float)) else ""))
+    rewards = [k for k in logs if k.startswith("rewards/") and k.endswith("/mean")]
+    if len(rewards) > 1 or (rewards and "reward" not in logs):
+        parts += [f"{k.split('/')[1]} {logs[k]:.3f}" for k in rewards]
+    parts += [f"{k} {logs[k]:.3f}" for k in logs if "accuracy" in k and isinstance(logs[k], (int, float))]
+    if isinstance(logs.get("loss"), (int, float)):
+        parts.append(f"loss {logs['loss']:.4g}")
+    if started is not None and step > started[1]:
+        per_step = (time.monotonic() - started[0]) / (step - started[1])
+        parts.append(f"{per_step:.1f} s/step")
+        if max_steps > step:
+            parts.append(f"ETA {_duration(per_step * (max_steps - step))}")
+    return " | ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 @dataclass
@@ -86,7 +129,9 @@ def train_grpo(
     cfg: ExperimentConfig, policy: Policy, train_dataset: Dataset, run: RunDir, resume: bool,
     plan_path: Path | None = None,
     callbacks=(),
+    echo: Callable[[str], None] = print,
 ) -> TrainResult:
+    """Train; ``echo`` receives the console lines (progress, warnings): a Prefect run logger in the flow."""
     from grpo.trainer import GRPOTrainer
 
     import torch
@@ -105,7 +150,12 @@ def train_grpo(
         experiment=cfg,
         plan_path=plan_path,
     )
-    checkpoint = run.latest_checkpoint(report=_warn) if resume else None
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(ConsoleProgress(echo))
+    checkpoint = run.latest_checkpoint(report=lambda message: echo(f"warning: {message}")) if resume else None
     try:
         trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     finally:

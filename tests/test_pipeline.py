@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -159,6 +160,23 @@ def wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None) ->
     raise AssertionError("timed out")
 
 
+NOISE = [
+    re.compile(r"^\s*(\d+\s+)?\d+\s+[A-Z][A-Z_]{3,}(\s|$)"),  # dill's bytecode disassembly (`159 0 RESUME`)
+    re.compile(r"LOAD_GLOBAL|RETURN_VALUE|FutureWarning|Writing model shards|Loading weights|mtime may not be reliable"),
+    re.compile(r"'(loss|reward)': '"),  # transformers' quoted-dict progress line
+]
+
+
+def assert_readable_console(out: str, steps: int) -> None:
+    """What a user reads: one compact line per logged step, stages named after themselves, no library noise."""
+    lines = out.splitlines()
+    noisy = [line for line in lines if any(p.search(line) for p in NOISE)]
+    assert not noisy, "\n".join(noisy[:10])
+    assert max(map(len, lines)) < 300, max(lines, key=len)
+    assert any(re.search(rf"Flow run 'train' - step {steps}/{steps} \| reward \d\.\d{{3}}", line) for line in lines), out
+    assert any("Flow run 'prep' - data: " in line and "rows valid" in line for line in lines), out
+
+
 def test_killed_training_resumes_into_the_same_mlflow_run(tmp_path, mlflow_server):
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     args = ["--run-name", "killed", *cli_overrides(tmp_path, mlflow_server.uri, **{
@@ -175,6 +193,7 @@ def test_killed_training_resumes_into_the_same_mlflow_run(tmp_path, mlflow_serve
     assert resumed.returncode == 0, out[-3000:]
     summary = json.loads(run.summary_file.read_text())
     assert summary["mlflow_run_id"] == first_run_id and summary["steps"] == 40
+    assert_readable_console(out, steps=40)
     steps = [m.step for m in MlflowClient(mlflow_server.uri).get_metric_history(first_run_id, "reward")]
     assert steps == list(range(2, 41, 2))  # continuous: nothing missing, nothing twice
 

@@ -1,0 +1,43 @@
+"""What a run prints: library noise off, real warnings kept.
+
+Every run prints the same known-harmless lines otherwise: transformers' deprecation of ``gradient_checkpointing``
+(raised by TRL's own calls, twice per checkpoint), and a progress bar for each tiny model load/save. The run's own
+progress is :class:`grpo.train.ConsoleProgress`'s one line per logged step.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+# (message regex, category): warnings that fire on every run and that a user can do nothing about.
+HARMLESS_WARNINGS = [
+    (r"`(is_)?gradient_checkpointing` is deprecated", FutureWarning),  # transformers 5 renaming, used by TRL
+]
+
+# (logger, message start): log records of the same kind. transformers sorts checkpoints by mtime and says so when two
+# were saved within a second, which every short run does; it then sorts them by step, which is right.
+HARMLESS_LOG_RECORDS = [("transformers.trainer_utils", "mtime may not be reliable")]
+
+
+class _DropRecords(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_library_noise() -> None:
+    """Silence :data:`HARMLESS_WARNINGS`, :data:`HARMLESS_LOG_RECORDS` and the per-file model load/save progress
+    bars. Idempotent."""
+    for message, category in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    for name, prefix in HARMLESS_LOG_RECORDS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropRecords) and f.prefix == prefix for f in logger.filters):
+            logger.addFilter(_DropRecords(prefix))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
