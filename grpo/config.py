@@ -283,6 +283,12 @@ class GRPOSection(_Section):
 
         trl_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
         for key in self.extra:
+            if key in TRL_SECRET_FIELDS:
+                raise ValueError(
+                    f"extra: {key!r} is a secret, and a config is stored in plain text (the run directory's "
+                    f"config.yaml, the Prefect flow-run parameters); set the {TRL_SECRET_FIELDS[key]} environment "
+                    "variable instead (huggingface_hub reads it)"
+                )
             if key in TRL_FIELDS_SET_BY_PLATFORM:
                 raise ValueError(
                     f"extra: {key!r} is set from {TRL_FIELDS_SET_BY_PLATFORM[key]}; set that instead (a value here "
@@ -320,6 +326,10 @@ class GRPOSection(_Section):
                 raise ValueError(f"report_to: {name!r} is not installed in this environment (pip install {name})")
         return self
 
+
+# trl.GRPOConfig fields that hold secrets, with the environment variable the library reads instead. Refused in
+# grpo.extra: a config is written to config.yaml, shown as Prefect flow-run parameters and logged to MLflow.
+TRL_SECRET_FIELDS = {"hub_token": "HF_TOKEN"}
 
 # trl.GRPOConfig fields the platform sets itself (grpo.train.grpo_args), with where their value comes from. grpo.extra
 # may not set them: kwargs from extra are applied last and would silently win over the platform's field.
