@@ -23,8 +23,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/grpo run --config configs/tiny.yaml --run-name $(RUN_NAME)
 
+# The whole suite on TEST_WORKERS pytest-xdist workers (whole modules each, longest first: tests/conftest.py).
+TEST_WORKERS ?= 3
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The edit-test loop: the unit layer only (no training, servers, browsers or extra processes; ~1 minute).
+test-fast: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n 2 -m "not integration" $(PYTEST_ARGS)
 
 # Re-resolve the lock after changing a range in pyproject.toml, keeping every other pin as it is.
 lock: $(STAMP)

@@ -19,6 +19,13 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# `make test` runs the suite on pytest-xdist workers side by side (2 cores here). Torch's OpenMP threads per worker
+# (and per child process: the environment is inherited) would then outnumber the cores, and spinning OpenMP threads
+# on an oversubscribed machine made an in-process training test 10x slower. One thread each.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Real servers shared by the whole session (tests/servers.py): the ``mlflow_server`` fixture.
@@ -73,3 +80,14 @@ def recorded_calls(log: Path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in Path(log).read_text().splitlines()]
+
+
+# Modules that take longest (servers, training, multi-process), started first so that xdist's workers finish
+# together (``--dist loadfile`` hands out whole modules in collection order).
+LONGEST_FIRST = ["test_invariants", "test_pipeline", "test_signals", "test_infra", "test_benchmarks",
+                 "test_multiprocess", "test_training", "test_faults", "test_trainer_parity", "test_async"]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))

@@ -8,10 +8,15 @@ import subprocess
 import sys
 from collections import defaultdict
 
+import pytest
+
 from grpo.config import load_config
 from grpo.experiment import run_experiment
 from grpo.runs import open_run_dir
 from tests.conftest import MICRO, micro_overrides, recorded_calls, write_prompt_recorder
+
+pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
+
 
 
 def metrics(run) -> list[dict]:

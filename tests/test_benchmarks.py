@@ -19,6 +19,9 @@ import pytest
 
 from benchmarks.__main__ import available
 
+pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
+
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -96,7 +99,7 @@ CHECKS: dict[str, Callable[[dict], None]] = {
 FAST = {"balance", "reward_pool"}  # seconds; the others train, start servers or plan in a subprocess
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in FAST else [pytest.mark.slow]) for n in available()])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in FAST else [pytest.mark.integration]) for n in available()])
 def test_benchmark_smoke(name):
     assert name in CHECKS, f"benchmark {name} has no smoke check in tests/test_benchmarks.py"
     # Sub-processes inherit the session's GRPO_CACHE_DIR, so the tiny warm start is built once for all of them.

@@ -11,7 +11,7 @@ from dashboards.comparison import build_dashboard
 from tests.conftest import REPO
 from tests.test_dashboard import SWEEP_PLOTS, SWEEP_RUNS, make_experiment
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

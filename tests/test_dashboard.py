@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from dashboards.comparison import DashboardError, build_dashboard, log_dashboard
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 STEPS = 20
 # name -> (learning_rate, extra metric families, final status)

@@ -111,6 +111,7 @@ def test_a_corrupt_checkpoint_is_skipped_with_a_message(tmp_path):
     assert run.latest_checkpoint(report=said.append) is None and "starts from step 0" in said[-1]
 
 
+@pytest.mark.integration
 def test_resuming_onto_a_corrupt_checkpoint_falls_back_and_never_unfinishes_the_run(tmp_path):
     """#12.3 end to end (in-process recipe, real SQLite MLflow store): a finished run whose latest checkpoint was
     truncated resumes from the previous one; a resume that fails leaves the MLflow run FINISHED."""
@@ -183,6 +184,7 @@ def test_input_errors_are_one_line_exit_2(tmp_path, args, fragment):
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["corrupt"]
 
 
+@pytest.mark.integration
 def test_a_data_error_in_the_flow_is_one_line_not_retried_and_does_not_block_a_rerun(tmp_path):
     """#12.8-10: an all-bad data file fails once (no retries), the console shows one error line (the traceback is in
     the run's log file), and the same command run again is not refused with 'already exists'."""

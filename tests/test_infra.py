@@ -229,7 +229,7 @@ def deployed(prefect_server):
     return result
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_deploy_creates_pools_and_deployments_with_schedule(prefect_server, deployed):
     s = prefect_server
     for name in ("default", "gpu", "nightly"):
@@ -284,7 +284,7 @@ def test_deploy_creates_pools_and_deployments_with_schedule(prefect_server, depl
     assert set(nightly["parameters"]) == {"config", "space", "max_concurrency", "metric", "direction"}
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_process_worker_runs_a_pipeline_flow_run(prefect_server, deployed, tmp_path):
     """A flow run of grpo-pipeline/default created through the API (as the UI's Run button does), picked up by a
     real `prefect worker start --pool cpu-pool` process, runs the micro experiment in the repository to the end."""
@@ -312,7 +312,7 @@ def test_process_worker_runs_a_pipeline_flow_run(prefect_server, deployed, tmp_p
     assert summary["steps"] == 2 and summary["prefect_flow_run_id"] == flow_run_id
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_grpo_serve_refuses_without_a_server(prefect_server, tmp_path):
     s = prefect_server
     env = {k: v for k, v in s.env().items() if k != "PREFECT_API_URL"}
@@ -325,7 +325,7 @@ def test_grpo_serve_refuses_without_a_server(prefect_server, tmp_path):
         assert fragment in lines[0] and "Traceback" not in result.stderr + result.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_grpo_serve_serves_pipeline_and_scheduled_sweep(prefect_server, tmp_path):
     from grpo.serve import SWEEP_PARAMETERS
 
@@ -382,7 +382,7 @@ def _max_overlap(intervals: list[tuple[int, int]]) -> int:
     return peak
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_sweep_triggered_through_the_api_runs_on_a_process_worker(prefect_server, deployed, mlflow_server, tmp_path):
     """A flow run of the grpo-sweep/nightly deployment created through the API, with 4 trials and max_concurrency 2,
     run by a real process worker: 4 child MLflow runs under one parent (the failing trial FAILED, the others done),
@@ -475,7 +475,7 @@ def _open_select(page, prop) -> list[str]:
     return [t.strip() for t in options.all_inner_texts()]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_server, deployed, tmp_path):
     """In Chromium: the pipeline deployment's run form shows titles, descriptions and dropdowns for closed choices;
     a run submitted from it (a dropdown value and a text field changed) is picked up by a process worker and

@@ -19,6 +19,9 @@ from grpo.errors import ConfigError
 from tests.invariant_matrix import BASE, KNOWN_GAPS, OPTIONS, PROBES, REFUSED, config_dict, design, name_of, steps_for
 from tests.pairwise import all_pairs, pairs_of
 
+pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
+
+
 MATRIX = Path(__file__).with_name("invariant_matrix.py")
 COLLECTIVE_TIMEOUT_S = 60
 REL = 1e-5
@@ -91,14 +94,12 @@ def test_pairs_left_out_are_refused_at_load_or_named_gaps():
 # ---------------------------------------------------------------------------------------------- regression probes
 
 
-@pytest.mark.slow
 def test_replay_when_ranks_disagree_does_not_hang(two_processes):
     """Issue #10 item 1: only rank 1 replaces a group in round 2; both ranks must still finish."""
     record = _record(two_processes, "item1_replay_ranks_disagree")
     assert record["steps"] == steps_for(PROBES["item1_replay_ranks_disagree"]) and record["replaced"] > 0
 
 
-@pytest.mark.slow
 def test_skip_on_last_micro_step_keeps_ranks_in_sync(two_processes):
     """Issue #10 item 2: with gradient accumulation 2, the window's last micro-step is skipped on all ranks; the first
     micro-step's gradients must still be averaged across ranks."""
@@ -108,7 +109,6 @@ def test_skip_on_last_micro_step_keeps_ranks_in_sync(two_processes):
     assert record["neutral_rel"] < REL
 
 
-@pytest.mark.slow
 def test_chunked_backward_synchronises_once_per_optimizer_step(two_processes):
     """Issue #10 item 8: chunks pay one gradient all-reduce per optimizer step, like an unchunked step."""
     plain = _record(two_processes, name_of(BASE))
@@ -144,11 +144,9 @@ def _check_matrix(report: dict[str, dict], names: list[str]) -> None:
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.slow
 def test_matrix_two_processes(two_processes):
     _check_matrix(two_processes, [*PROBES, *(name_of(r) for r in design()[0])])
 
 
-@pytest.mark.slow
 def test_matrix_one_process(one_process):
     _check_matrix(one_process, [name_of(r) for r in design()[0] if FULL or not r["async"]])

@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import MICRO, micro_overrides, recorded_calls, write_prompt_recorder
 
+pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
+
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_torchrun_ranks_train_on_disjoint_prompts(tmp_path, nproc):
     module = write_prompt_recorder(tmp_path)
@@ -105,6 +107,7 @@ SP_SCRIPT = """
 import json, sys
 import torch.distributed as dist
 from grpo.sampling import SequenceParallelRepeatRandomSampler
+
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 out = {}

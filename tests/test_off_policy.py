@@ -80,6 +80,7 @@ def test_opsm_fraction_is_logged(tmp_path):
     assert trainer._metrics["train"]["sampling/opsm_frac_masked"][-1] == pytest.approx(0.5)
 
 
+@pytest.mark.integration
 def test_async_training_with_is_mask_runs_end_to_end(tmp_path):
     cfg = load_config(MICRO, micro_overrides(tmp_path, **{
         "async.use_data_producer": "true", "async.async_prefetch": "true",

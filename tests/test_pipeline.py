@@ -20,7 +20,7 @@ from grpo.runs import RunDir
 from tests.conftest import MICRO, micro_overrides
 from tests.servers import MlflowServer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 TRAIN_METRICS = {"reward", "reward_std", "frac_reward_zero_std", "entropy", "clip_ratio/low_mean",
                  "clip_ratio/high_mean", "completions/mean_length", "step_time", "num_tokens", "learning_rate",

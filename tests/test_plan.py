@@ -208,6 +208,7 @@ def grpo_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.integration
 def test_cli_plan_end_to_end_then_refuses_to_overwrite(tmp_path):
     args = ["plan", "--config", str(Path(__file__).parent.parent / "configs" / "tiny.yaml"),
             "--set", f"output_dir={tmp_path / 'runs'}", "--set", "data.num_train=300", "--set", "grpo.max_steps=20"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from grpo.config import load_config
@@ -12,6 +13,9 @@ from grpo.evaluation import evaluate_policy
 from grpo.policy import load_policy
 from grpo.rewards import exact_match
 from grpo.tiny_model import build_char_tokenizer
+
+pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
+
 
 
 def test_char_tokenizer_round_trips_and_has_special_tokens():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from grpo.config import load_config
@@ -32,6 +33,7 @@ def pool_test_reward(prompts, completions, **kwargs):
 '''
 
 
+@pytest.mark.integration
 def test_trainer_scores_through_the_pool_and_survives_bad_rewards(tmp_path):
     module = tmp_path / "pool_rewards.py"
     module.write_text(MODULE)

@@ -15,6 +15,8 @@ from grpo.config import load_config
 from tests.conftest import MICRO
 from tests.servers import BIN, PrefectServer
 
+pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
+
 # ---------------------------------------------------------------- #12.15 path confinement of served runs
 
 
@@ -57,7 +59,6 @@ def _wait_final(s: PrefectServer, flow_run_id: str, timeout: float, log: Path) -
         time.sleep(1)
 
 
-@pytest.mark.slow
 def test_served_runs_are_confined_to_the_allowed_roots(prefect_server, tmp_path):
     """#12.15: a run started from the Prefect UI with output_dir=/ or a data file outside the roots (or
     /etc/passwd) fails with a message naming the field and the roots; a run inside an --allow-path root runs.
@@ -198,7 +199,6 @@ def _mlflow_status(uri: str, run_dir: Path) -> str:
     return MlflowClient(uri).get_run(run_id).info.status
 
 
-@pytest.mark.slow
 def test_ctrl_c_stops_the_run_and_marks_it_cancelled(tmp_path, mlflow_server):
     """#12.5: Ctrl-C (SIGINT to the terminal's process group) mid-training. Before the fix the embedded Prefect
     server died of the same SIGINT, the CLI retried its dead API and was still alive 120 s later, and the flow run
@@ -220,7 +220,6 @@ def test_ctrl_c_stops_the_run_and_marks_it_cancelled(tmp_path, mlflow_server):
     assert _mlflow_status(mlflow_server.uri, tmp_path / "ctrl-c") == "KILLED"
 
 
-@pytest.mark.slow
 def test_sigterm_to_the_cli_leaves_no_server_behind(tmp_path, mlflow_server):
     """#12.6: SIGTERM to the CLI's process alone. Before the fix the CLI died and its embedded Prefect server
     (uvicorn) kept running as an orphan."""
@@ -245,6 +244,7 @@ SERVER_OWNER = """
 import sys, time
 from pathlib import Path
 from tests.servers import MlflowServer
+
 server = MlflowServer(Path(sys.argv[1])).start()
 print(server.proc.pid, flush=True)
 time.sleep(600)

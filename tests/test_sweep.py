@@ -144,7 +144,7 @@ def prefect_api(path: str, body: dict) -> list[dict]:
     return response.json()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_sweep_via_deployment_creates_linked_flow_runs(tmp_path, prefect_server, mlflow_server):
     """Smoke path of ``use_deployment``: no worker serves the deployment here, so each trial's flow run is created
     (with the trial's config, run name and MLflow nesting tags) and stays scheduled until ``trial_timeout``."""

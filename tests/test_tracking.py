@@ -25,7 +25,7 @@ from grpo.tracking import (
     use_tracking_uri,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import trl
 from transformers import set_seed
@@ -15,6 +16,9 @@ from grpo.rewards import get_reward
 from grpo.train import grpo_args
 from grpo.trainer import GRPOTrainer
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
+
 
 
 class CountingTrainer(GRPOTrainer):

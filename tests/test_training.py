@@ -9,12 +9,17 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from grpo.config import load_config
 from grpo.prep import load_prepared
 from grpo.plan import read_plan_indices
 from grpo.experiment import run_experiment
 from grpo.runs import RunDir, open_run_dir
 from tests.conftest import MICRO, REPO, micro_overrides, recorded_calls, write_prompt_recorder
+
+pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
+
 
 
 def read_metrics(run: RunDir) -> list[dict]:

@@ -12,7 +12,7 @@ import pytest
 
 from tests.servers import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 def healthy(url: str) -> bool:
