@@ -14,6 +14,26 @@ import typer
 
 from grpo.errors import GRPOPlatformError
 
+
+
+def _flags_take_no_value() -> None:
+    """typer 0.29's help prints a ``<bool>`` type after every flag (``--resume <bool>``, even ``--help <bool>``),
+    which reads as if the flag took a value: show no type for flags."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "_grpo_flags", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich._grpo_flags = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_take_no_value()
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -22,10 +42,10 @@ app = typer.Typer(
 )
 
 PREFECT_STARTUP_SECONDS = 120
-ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="Experiment YAML, e.g. configs/tiny.yaml.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a field: section.field=value (repeatable).")]
+ConfigOpt = Annotated[Path, typer.Option("--config", "-c", metavar="FILE", help="Experiment YAML, e.g. configs/tiny.yaml.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a field: section.field=value (repeatable).")]
 RewardModuleOpt = Annotated[
-    Optional[list[Path]], typer.Option("--reward-module", help="Python file registering reward functions (repeatable).")
+    Optional[list[Path]], typer.Option("--reward-module", metavar="FILE", help="Python file registering reward functions (repeatable).")
 ]
 
 
@@ -124,7 +144,7 @@ def run(
 ) -> None:
     """Run the pipeline (prep → plan → train → eval) as a Prefect flow run tracked in MLflow.
 
-    Under ``torchrun`` / ``accelerate launch`` every rank runs the same stages in-process instead (rank 0 writes).
+    Under torchrun or accelerate launch every rank runs the same stages in-process instead (rank 0 writes).
     """
     try:
         cfg = _load(config, set_, reward_module)
@@ -331,7 +351,7 @@ def ui(
 @app.command()
 def serve(
     config: Annotated[
-        Optional[Path], typer.Option("--config", "-c", help="Defaults of the run form (default: configs/tiny.yaml).")
+        Optional[Path], typer.Option("--config", "-c", metavar="FILE", help="Defaults of the run form (default: configs/tiny.yaml).")
     ] = None,
     schedule: Annotated[
         Optional[str], typer.Option("--schedule", help="Cron string: run the sweep (or the pipeline) on this schedule.")
@@ -348,7 +368,7 @@ def serve(
     ),
     limit: Annotated[Optional[int], typer.Option("--limit", help="At most this many flow runs at once.")] = None,
     allow_path: Annotated[Optional[list[Path]], typer.Option(
-        "--allow-path", help="Runs may also read and write under DIR (repeatable; default: only the current "
+        "--allow-path", metavar="DIR", help="Runs may also read and write under DIR (repeatable; default: only the current "
                              "directory, plus $GRPO_SERVE_ALLOW_PATHS).")] = None,
 ) -> None:
     """Serve the pipeline (and sweep) flows on the Prefect server at PREFECT_API_URL until Ctrl-C: runs started from
@@ -378,7 +398,7 @@ def deploy(
     ctx: typer.Context,
     prefect_file: Annotated[Path, typer.Option("--prefect-file", help="Deployment file.")] = Path("infra/prefect.yaml"),
     name: Annotated[
-        Optional[list[str]], typer.Option("--name", "-n", help="Deploy only this deployment (repeatable).")
+        Optional[list[str]], typer.Option("--name", "-n", metavar="NAME", help="Deploy only this deployment (repeatable).")
     ] = None,
 ) -> None:
     """`prefect deploy` of infra/prefect.yaml (run from the repository root, work pools created first; see

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 
@@ -79,3 +81,15 @@ def test_missing_reward_module_from_the_environment_is_one_line_exit_2(tmp_path)
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert f"GRPO_REWARD_MODULES: file not found: {tmp_path / 'gone.py'}" in lines[0]
     assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("command", ["run", "plan", "validate", "sweep", "serve", "deploy", "dashboard", "ui"])
+def test_help_reads_as_a_person_expects(command):
+    """Flags show no value type (typer printed `--resume <bool>`), list options a metavar, no reST markup."""
+    result = subprocess.run([sys.executable, "-m", "grpo.cli", command, "--help"], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "COLUMNS": "150"})
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "<bool>" not in out and "list[" not in out and "``" not in out, out
+    if command == "run":
+        assert re.search(r"--resume\s+Continue", out) and re.search(r"--set\s+-s\s+KEY=VALUE", out), out
