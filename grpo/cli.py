@@ -242,6 +242,14 @@ def sweep(
     if result["registered_model"]:
         m = result["registered_model"]
         typer.echo(f"registered: {m['name']} version {m['version']} (alias {m['alias']})")
+    if result.get("mlflow_run_id"):
+        typer.echo(f"mlflow parent run: {result['mlflow_run_id']} "
+                   f"(compare again: grpo dashboard --experiment {cfg.tracking.experiment_name} "
+                   f"--sweep {result['mlflow_run_id']} --out compare.html)")
+    dashboard = result.get("dashboard") or {}
+    if dashboard.get("path"):
+        logged = f", logged to MLflow as {dashboard['artifact']}" if dashboard.get("artifact") else ""
+        typer.echo(f"dashboard: {dashboard['path']} ({dashboard['kind']}{logged})")
     typer.echo(f"sweep: {result['sweep_dir']}")
 
 

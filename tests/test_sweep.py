@@ -176,3 +176,31 @@ def test_sweep_via_deployment_creates_linked_flow_runs(tmp_path, prefect_server,
         assert params["config"]["output_dir"] == str(tmp_path / "dep")
     assert {r["parameters"]["config"]["grpo"]["learning_rate"] for r in runs} == {1e-4, 3e-4}
     assert {r["state_type"] for r in runs} == {"CANCELLED"}  # given up on: no worker picks them up later
+
+
+def test_the_shipped_example_space_expands():
+    from tests.conftest import REPO
+
+    space = load_space(REPO / "configs" / "spaces" / "tiny-lr-beta.yaml")
+    trials = expand_space(load_config(REPO / "configs" / "tiny.yaml"), space)
+    assert len(trials) == 4 and {o["grpo.learning_rate"] for o, _ in trials} == {1e-4, 3e-4}
+    assert all(0.0 <= o["grpo.beta"] <= 0.04 for o, _ in trials)
+
+
+@pytest.mark.integration
+def test_cli_sweep_prints_the_parent_run_and_the_dashboard(tmp_path, mlflow_server):
+    """#15: the console named neither the parent MLflow run (what `grpo dashboard --sweep` needs) nor the dashboard."""
+    (tmp_path / "space.yaml").write_text("grid:\n  grpo.learning_rate: [1.0e-4, 3.0e-4]\n")
+    sets = [f"output_dir={tmp_path / 'runs'}", "tracking.backend=mlflow", "grpo.max_steps=2", "grpo.save_steps=100", "evaluation.enabled=false",
+            f"tracking.tracking_uri={mlflow_server.uri}", "tracking.experiment_name=cli-sweep",
+            "tracking.log_system_metrics=false"]
+    result = subprocess.run([sys.executable, "-m", "grpo.cli", "sweep", "--config", str(MICRO), "--space",
+                             str(tmp_path / "space.yaml"), "--name", "lr", *(a for s in sets for a in ("--set", s))],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    parent = MlflowClient(mlflow_server.uri).search_runs(
+        [MlflowClient(mlflow_server.uri).get_experiment_by_name("cli-sweep").experiment_id],
+        filter_string="tags.`grpo.run_type` = 'sweep'")[0].info.run_id
+    out = result.stdout
+    assert f"mlflow parent run: {parent} (compare again: grpo dashboard --experiment cli-sweep --sweep {parent}" in out
+    assert f"dashboard: {tmp_path / 'runs' / 'lr' / 'dashboard.html'} (comparison, logged to MLflow as dashboard/" in out
