@@ -23,7 +23,7 @@ from grpo.config import ExperimentConfig, load_config, presets, resolve_config
 from grpo.experiment import write_summary
 from grpo.prep import load_prepared
 from grpo.runs import RunDir, open_run_dir
-from grpo.run_tracking import end_status, eval_metrics, log_numbers, log_run_artifacts, plan_metrics, prep_metrics, start_run_tracking
+from grpo.run_tracking import end_status, eval_metrics, log_numbers, log_run_artifacts, log_prep, plan_metrics, start_run_tracking
 from grpo.tracking import MlflowCallback, MlflowTracker
 from grpo.train import train_grpo
 
@@ -116,7 +116,7 @@ def grpo_pipeline(
     try:
         prep = prep_flow(config)
         data_dir = prep["data_dir"]
-        log_numbers(tracker, prep_metrics(prep))
+        log_prep(tracker, prep)
         plan = plan_flow(config, data_dir, prep["content_hash"])
         run.write_json("inputs.json", {"data_dir": data_dir, "data_content_hash": prep["content_hash"],
                                        "plan_path": plan["plan_path"]})

@@ -68,6 +68,21 @@ def prep_metrics(stats: Mapping[str, Any]) -> dict[str, float]:
             **{f"prep/prompt_chars_{k}": v for k, v in (stats.get("prompt_chars") or {}).items()}}
 
 
+def log_prep(tracker: MlflowTracker | None, stats: Mapping[str, Any]) -> None:
+    """The prep stage in MLflow: its row counts as metrics and each split as a dataset input (name, content hash,
+    where it was written, rows valid and quarantined), so the run page's Datasets column says what it trained on."""
+    if tracker is None:
+        return
+    log_numbers(tracker, prep_metrics(stats))
+    data_dir = Path(stats["data_dir"])
+    tracker.log_datasets([
+        {"name": f"{stats['source']}:{split}", "digest": stats["content_hash"], "source": data_dir / f"{split}.parquet",
+         "context": "training" if split == "train" else "evaluation",
+         "profile": {"num_rows": counts["rows_valid"], "rows_quarantined": counts["rows_quarantined"],
+                     "quarantine": str(data_dir / "quarantine.jsonl")}}
+        for split, counts in stats["splits"].items()])
+
+
 def plan_metrics(plan: Mapping[str, Any]) -> dict[str, float]:
     imbalance = (plan.get("predicted_imbalance") or {}).get("plan_order") or {}
     return {"plan/generation_rounds": plan["generation_rounds"], "plan/epochs": plan["epochs"],

@@ -103,6 +103,10 @@ def sanitize_metric_key(key: str) -> str:
     return out[:MAX_ENTITY_KEY_LENGTH]
 
 
+# MLflow 3's UI opens an experiment without this tag on its GenAI "Overview" page; a training experiment belongs in
+# the runs view with metric charts ("custom_model_development", what MLflow's own training guides create).
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+
 _SECRET_KEY = re.compile(r"token|secret|passw|api_?key|credential|private_key", re.IGNORECASE)
 REDACTED = "***"
 
@@ -304,7 +308,8 @@ class MlflowTracker:
             if exp is None:
                 try:
                     self.experiment_id = self.client.create_experiment(
-                        experiment_name, artifact_location=default_artifact_location(self.tracking_uri, experiment_name)
+                        experiment_name, artifact_location=default_artifact_location(self.tracking_uri, experiment_name),
+                        tags=EXPERIMENT_TAGS,
                     )
                 except MlflowException:  # created concurrently
                     self.experiment_id = self.client.get_experiment_by_name(experiment_name).experiment_id
@@ -770,6 +775,17 @@ class MlflowTracker:
             self._log_batch_sync(self.run_id, params=todo)
 
         return self._guard("log_params", do)
+
+    def log_datasets(self, datasets: list[dict[str, Any]]) -> bool:
+        """MLflow dataset inputs (the run page's "Datasets" column): each ``{"name", "digest", "source", "context",
+        "profile"}``; the source is a local path, the profile a small dict (row counts)."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        inputs = [DatasetInput(Dataset(name=d["name"], digest=d["digest"][:36], source_type="local",
+                                       source=json.dumps({"uri": str(d["source"])}),
+                                       profile=json.dumps(d.get("profile") or {})),
+                               tags=[InputTag("mlflow.data.context", d["context"])]) for d in datasets]
+        return self._guard("log_inputs", self.client.log_inputs, self.run_id, inputs)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> bool:
         """Upload a file, or a directory's contents, under ``artifact_path``."""

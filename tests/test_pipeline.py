@@ -103,6 +103,14 @@ def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefe
         assert run.data.tags[f"grpo.version.{name}"] == metadata.version(name), name
     missing = (TRAIN_METRICS | STAGE_METRICS | TOOLKIT_METRICS) - set(run.data.metrics)
     assert not missing, missing
+    # the data trained on, as MLflow dataset inputs (the Datasets column said "None"): content hash and row counts
+    inputs = {i.dataset.name: i for i in run.inputs.dataset_inputs}
+    assert set(inputs) == {"synthetic:addition:train", "synthetic:addition:eval"}, inputs
+    train = inputs["synthetic:addition:train"]
+    assert summary["data_content_hash"].startswith(train.dataset.digest)
+    assert json.loads(train.dataset.profile)["num_rows"] == cfg.data.num_train
+    assert [t.value for t in train.tags if t.key == "mlflow.data.context"] == ["training"]
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     history = [m.step for m in client.get_metric_history(run.info.run_id, "reward")]
     assert history == [2, 4, 6, 8]
     assert any(k.startswith("system/") for k in run.data.metrics)

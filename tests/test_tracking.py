@@ -83,6 +83,8 @@ def test_metrics_params_tags_artifacts_round_trip(mlflow_server, make_tracker, t
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.info.run_name == "roundtrip"
+    # the experiment opens on MLflow's training-runs view, not the GenAI overview (#15)
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     for key in ("loss", "reward", "learning_rate", "epoch", "eval_pass_at_8"):
         assert history_steps(client, run_id, key) == list(range(1, 31)), key
     assert "grad_norm" not in run.data.metrics and "note" not in run.data.metrics  # NaN and non-numbers skipped

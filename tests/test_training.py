@@ -120,3 +120,37 @@ def test_a_half_written_checkpoint_is_never_the_resume_point(tmp_path):
     assert run.latest_checkpoint() == run.checkpoints / "checkpoint-8"
     (run.checkpoints / "checkpoint-12" / "trainer_state.json").write_text("{}")
     assert run.latest_checkpoint() == run.checkpoints / "checkpoint-12"
+
+
+def test_two_trainings_in_one_process_take_turns(tmp_path):
+    """Sweep trials run in threads of one process, and every GRPOConfig resets accelerate's process-global state: a
+    trial building its trainer while another one did failed with "AcceleratorState object has no attribute
+    num_processes" (seen once in the worker-run sweep test; the window is too narrow to hit on demand). Trainings in
+    one process now take turns: the second waits, says so, and both finish."""
+    import threading
+    import time
+
+    said: list[str] = []
+    results: dict[str, object] = {}
+
+    def trial(name: str, steps: int) -> None:
+        cfg = load_config(MICRO, micro_overrides(tmp_path, **{"grpo.max_steps": steps, "grpo.save_steps": 100,
+                                                              "evaluation.enabled": "false"}))
+        try:
+            results[name] = run_experiment(cfg, open_run_dir(cfg, name, resume=False), log=said.append)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            results[name] = err
+
+    first = threading.Thread(target=trial, args=("first", 300))
+    first.start()
+    metrics = tmp_path / "first" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.is_file() and metrics.read_text().strip()) and first.is_alive():  # the first one is training
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    second = threading.Thread(target=trial, args=("second", 4))
+    second.start()
+    first.join(900)
+    second.join(900)
+    assert {name: getattr(r, "get", lambda _: r)("steps") for name, r in results.items()} == {"first": 300, "second": 4}
+    assert any("waiting for another training in this process" in line for line in said), said
