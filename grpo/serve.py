@@ -155,14 +155,18 @@ def pause_served(deployments: list) -> None:
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    with get_client(sync_client=True) as client:
-        for d in deployments:
-            try:
-                deployment = client.read_deployment_by_name(f"{d.flow_name}/{d.name}")
-            except ObjectNotFound:  # interrupted before it was registered
-                continue
-            if not deployment.paused:
-                client.pause_deployment(deployment.id)
+    try:
+        with get_client(sync_client=True) as client:
+            for d in deployments:
+                try:
+                    deployment = client.read_deployment_by_name(f"{d.flow_name}/{d.name}")
+                except ObjectNotFound:  # interrupted before it was registered
+                    continue
+                if not deployment.paused:
+                    client.pause_deployment(deployment.id)
+    except Exception as err:  # the server is gone too: say so in one line, Ctrl-C must not end in a traceback
+        print(f"warning: could not pause the served schedules ({type(err).__name__}: {err}); "
+              "pause them in the Prefect UI", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- grpo deploy
