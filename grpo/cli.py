@@ -374,7 +374,8 @@ def serve(
     name: Annotated[str, typer.Option("--name", help="Deployment name: grpo-pipeline/NAME, grpo-sweep/NAME.")] = (
         "local"
     ),
-    limit: Annotated[Optional[int], typer.Option("--limit", help="At most this many flow runs at once.")] = None,
+    limit: Annotated[int, typer.Option("--limit", metavar="N", help="At most N flow runs at once; later submissions "
+                                        "wait until one ends (two trainings on one machine only compete).")] = 1,
     allow_path: Annotated[Optional[list[Path]], typer.Option(
         "--allow-path", metavar="DIR", help="Runs may also read and write under DIR (repeatable; default: only the current "
                              "directory, plus $GRPO_SERVE_ALLOW_PATHS).")] = None,
@@ -387,6 +388,8 @@ def serve(
         _fail(f"--schedule-flow {schedule_flow!r}: valid values are 'sweep', 'pipeline'")
     if schedule_flow and schedule is None:
         _fail("--schedule-flow needs --schedule CRON")
+    if limit < 1:
+        _fail(f"--limit {limit}: must be >= 1")
     try:
         url = serving.check_server()
         deployments = serving.build_deployments(name, config, schedule, schedule_flow, timezone)
@@ -398,6 +401,7 @@ def serve(
     os.environ[ENV] = os.pathsep.join(map(str, roots))  # inherited by the flow runs this process starts
     typer.echo(f"Prefect server: {url.removesuffix('/api')}  (Ctrl-C stops serving and pauses the schedules)")
     typer.echo(f"runs may read and write under: {', '.join(map(str, roots))}")
+    typer.echo(f"at most {limit} flow run{'s' if limit > 1 else ''} at once; later ones wait their turn (--limit)")
     serving.serve(deployments, limit=limit, echo=typer.echo)
 
 

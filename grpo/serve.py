@@ -136,7 +136,7 @@ def build_deployments(
     return deployments
 
 
-def serve(deployments: list, limit: int | None = None, echo=print) -> None:
+def serve(deployments: list, limit: int | None = 1, echo=print) -> None:
     """Serve until interrupted; the deployments' schedules are paused when serving stops."""
     import prefect
 

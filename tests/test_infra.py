@@ -346,6 +346,7 @@ def test_grpo_serve_serves_pipeline_and_scheduled_sweep(prefect_server, tmp_path
         pipeline = s.get("deployments/name/grpo-pipeline/served")
         sweep = s.get("deployments/name/grpo-sweep/served")
         assert "serving grpo-sweep/served, schedule 30 4 * * *" in log.read_text()
+        assert "at most 1 flow run at once; later ones wait their turn (--limit)" in log.read_text()  # default
         assert pipeline["work_pool_name"] is None and pipeline["entrypoint"] == "flows.pipeline.grpo_pipeline"
         assert pipeline["parameters"]["config"]["grpo"]["max_steps"] == TINY["grpo"]["max_steps"]
         assert pipeline["schedules"] == []

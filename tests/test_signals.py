@@ -71,7 +71,8 @@ def test_served_runs_are_confined_to_the_allowed_roots(prefect_server, tmp_path)
     outside.write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(200)))
     log = tmp_path / "serve.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([str(BIN / "grpo"), "serve", "--name", "confined", "--allow-path", str(allowed)],
+        proc = subprocess.Popen([str(BIN / "grpo"), "serve", "--name", "confined", "--allow-path", str(allowed),
+                                 "--limit", "4"],
                                 env=s.env(), cwd=project, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
