@@ -6,11 +6,13 @@ version), so changing a GRPO field reuses the warm-started model while changing 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +57,31 @@ def tiny_cache_key(cfg: ExperimentConfig, alphabet: str) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# Building or loading a model, and training one, is one thread at a time per process. Sweep trials run as threads
+# of one process, and transformers keeps process-global state around both: a model loaded while another thread
+# loaded one came out with meta tensors ("Cannot copy out of meta tensor"), and every GRPOConfig resets accelerate's
+# AcceleratorState under a trainer already running ("no attribute num_processes"). Re-entrant: training loads.
+MODEL_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def model_turn(echo=print):
+    """Hold :data:`MODEL_LOCK`; say so when another thread has it (a sweep trial waiting for another one)."""
+    if not MODEL_LOCK.acquire(blocking=False):
+        echo("waiting for another training or model load in this process to finish (one at a time per process)")
+        MODEL_LOCK.acquire()
+    try:
+        yield
+    finally:
+        MODEL_LOCK.release()
+
+
 def load_policy(cfg: ExperimentConfig, data: DatasetDict, log=print) -> Policy:
+    with model_turn(log):
+        return _load_policy(cfg, data, log)
+
+
+def _load_policy(cfg: ExperimentConfig, data: DatasetDict, log=print) -> Policy:
     if cfg.model.is_tiny:
         return _tiny_policy(cfg, data, log)
     start = time.perf_counter()

@@ -62,5 +62,9 @@ def trained_policy(model_dir: Path) -> Policy:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto" if torch.cuda.is_available() else torch.float32)
-    return Policy(model, AutoTokenizer.from_pretrained(model_dir), str(model_dir), True, 0.0, [])
+    from grpo.policy import MODEL_LOCK
+
+    with MODEL_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(model_dir,
+                                                     dtype="auto" if torch.cuda.is_available() else torch.float32)
+        return Policy(model, AutoTokenizer.from_pretrained(model_dir), str(model_dir), True, 0.0, [])

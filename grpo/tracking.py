@@ -914,8 +914,11 @@ def log_model(
         raise TrackingError("log_model: the tracker is not started")
     model_dir = Path(model_dir).resolve()
     tokenizer_dir = Path(tokenizer_dir).resolve() if tokenizer_dir else model_dir
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    from grpo.policy import MODEL_LOCK
+
+    with MODEL_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     card = ModelCard(
         f"---\nlicense: other\ntags: [grpo]\n---\n# {name}\n\nGRPO-trained model from MLflow run {tracker.run_id}.\n"
     )

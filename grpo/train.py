@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from grpo.config import ExperimentConfig
-from grpo.policy import Policy
+from grpo.policy import Policy, model_turn
 from grpo.rewards import get_reward
 from grpo.runs import RunDir
 
@@ -126,12 +125,6 @@ class TrainResult:
     reward_curve: list[tuple[int, float]]
 
 
-# One training at a time per process. transformers' TrainingArguments (so every GRPOConfig) resets accelerate's
-# process-global AcceleratorState, which a trainer already running in another thread reads on every step: two sweep
-# trials training side by side in one process crashed the first ("AcceleratorState object has no attribute
-# num_processes"). Trials still overlap in their other stages; for trials that train in parallel, run them as flow
-# runs of a deployment on a work pool (`grpo sweep --deployment`), one process each.
-_TRAINING_LOCK = threading.Lock()
 
 
 def train_grpo(
@@ -141,13 +134,8 @@ def train_grpo(
     echo: Callable[[str], None] = print,
 ) -> TrainResult:
     """Train; ``echo`` receives the console lines (progress, warnings): a Prefect run logger in the flow."""
-    if not _TRAINING_LOCK.acquire(blocking=False):
-        echo("waiting for another training in this process to finish (one at a time per process)")
-        _TRAINING_LOCK.acquire()
-    try:
+    with model_turn(echo):  # one training or model load at a time per process (see grpo.policy.MODEL_LOCK)
         return _train(cfg, policy, train_dataset, run, resume, plan_path, callbacks, echo)
-    finally:
-        _TRAINING_LOCK.release()
 
 
 def _train(cfg, policy, train_dataset, run, resume, plan_path, callbacks, echo) -> TrainResult:
