@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger, flow, task
+from prefect import flow, get_run_logger, task
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
@@ -99,9 +99,7 @@ def prep_flow(config: ExperimentConfig) -> dict:
     # a cached result points at a directory; if that was deleted, recompute instead of returning a dangling path
     task_ = prepare_task.with_options(refresh_cache=not _complete(out_dir, "stats.json"))
     stats = task_(config.data.model_dump(mode="json"), str(out_dir), config)
-    quarantined = stats["rows_quarantined"]
-    get_run_logger().info(f"data: {stats['rows_valid']} of {stats['rows_in']} rows valid" + (
-        f", {quarantined} quarantined (reasons in {out_dir / 'quarantine.jsonl'})" if quarantined else ""))
+    get_run_logger().info(grpo.stages.prep_summary(stats))
     create_markdown_artifact(
         key="dataset-prep",
         markdown=(f"## Dataset prep\n\nSource `{config.data.source}` → `{out_dir}`\n\n"

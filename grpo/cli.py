@@ -15,7 +15,6 @@ import typer
 from grpo.errors import GRPOPlatformError
 
 
-
 def _flags_take_no_value() -> None:
     """typer 0.29's help prints a ``<bool>`` type after every flag (``--resume <bool>``, even ``--help <bool>``),
     which reads as if the flag took a value: show no type for flags."""

@@ -17,7 +17,7 @@ from grpo.config import ExperimentConfig
 from grpo.prep import load_prepared
 from grpo.run_tracking import end_status, eval_metrics, log_numbers, log_run_artifacts, log_prep, plan_metrics, start_run_tracking
 from grpo.runs import RunDir
-from grpo.stages import eval_stage, plan_stage, policy_stage, prep_stage, trained_policy
+from grpo.stages import eval_stage, plan_stage, policy_stage, prep_stage, prep_summary, trained_policy
 from grpo.tracking import MlflowCallback
 from grpo.train import TrainResult, train_grpo
 
@@ -55,8 +55,7 @@ def _stages(cfg, run, resume, log, main, tracker, callbacks, started) -> dict | 
     if main and not (resume and (data_dir / "stats.json").is_file()):
         stats = prep_stage(cfg, data_dir)
         log_prep(tracker, stats)
-        log(f"data: {stats['rows_valid']} valid / {stats['rows_quarantined']} quarantined of {stats['rows_in']} rows "
-            f"from {cfg.data.source} (content {stats['content_hash'][:12]})")
+        log(prep_summary(stats))
     distributed.barrier()
 
     if main:

@@ -27,6 +27,16 @@ def prep_stage(cfg: ExperimentConfig, out_dir: Path) -> dict[str, Any]:
     return {**result.stats, "data_dir": str(out_dir)}
 
 
+def prep_summary(stats: dict[str, Any]) -> str:
+    """The prep stage's console line, the same on every path: rows valid, source, content, and where the
+    quarantined rows' reasons are when there are any."""
+    line = (f"data: {stats['rows_valid']} of {stats['rows_in']} rows valid from {stats['source']} "
+            f"(content {stats['content_hash'][:12]})")
+    if stats["rows_quarantined"]:
+        line += f", {stats['rows_quarantined']} quarantined (reasons in {Path(stats['data_dir']) / 'quarantine.jsonl'})"
+    return line
+
+
 def policy_stage(cfg: ExperimentConfig, data_dir: Path, log=print) -> Policy:
     """The policy GRPO starts from: the cached tiny model (built and warm-started once) or a hub/local model."""
     return load_policy(cfg, load_prepared(data_dir), log=log)

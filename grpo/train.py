@@ -125,8 +125,6 @@ class TrainResult:
     reward_curve: list[tuple[int, float]]
 
 
-
-
 def train_grpo(
     cfg: ExperimentConfig, policy: Policy, train_dataset: Dataset, run: RunDir, resume: bool,
     plan_path: Path | None = None,
