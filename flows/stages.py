@@ -7,8 +7,6 @@ from the last checkpoint. Every stage leaves artifacts in Prefect: a markdown su
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -22,23 +20,11 @@ from prefect.artifacts import (
 )
 from transformers import TrainerCallback
 
-import grpo.plan
-import grpo.prep
 import grpo.stages
-import grpo.tasks
 from grpo.config import ExperimentConfig
 from grpo.errors import GRPOPlatformError
-from grpo.policy import cache_root
+from grpo.cache_dirs import PLAN_CODE, PREP_CODE, plan_dir_for, prep_dir_for, stage_key
 from grpo.runs import RunDir
-
-
-def _code_hash(*modules) -> str:
-    return hashlib.sha256("".join(inspect.getsource(m) for m in modules).encode()).hexdigest()[:16]
-
-
-def _key(kind: str, payload: dict, modules: tuple) -> str:
-    blob = json.dumps(payload, sort_keys=True, default=str) + _code_hash(*modules)
-    return f"{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:20]}"
 
 
 def _cached_dir_key(kind: str, modules: tuple):
@@ -46,34 +32,13 @@ def _cached_dir_key(kind: str, modules: tuple):
 
     def key_fn(context, parameters) -> str:
         payload = {k: v for k, v in parameters.items() if k != "config"}
-        return _key(kind, json.loads(json.dumps(payload, default=str)), modules)
+        return stage_key(kind, json.loads(json.dumps(payload, default=str)), modules)
 
     return key_fn
 
 
 def _complete(out_dir: Path, marker: str) -> bool:
     return (out_dir / marker).is_file()
-
-
-PREP_CODE = (grpo.prep, grpo.tasks, grpo.stages)
-PLAN_CODE = (grpo.plan, grpo.stages)
-
-
-def prep_dir_for(cfg: ExperimentConfig) -> Path:
-    """Content-addressed location of prepared data: the same data config, source contents and code always land in
-    one place, and an edited source file lands in a new one (the prep task's cache key includes this path)."""
-    payload = {**cfg.data.model_dump(mode="json"), "source_fingerprint": grpo.prep.source_fingerprint(cfg.data)}
-    return cache_root() / "prepared" / _key("prep", payload, PREP_CODE)
-
-
-def plan_dir_for(cfg: ExperimentConfig, data_hash: str) -> Path:
-    payload = {"data": data_hash, "sampling": cfg.sampling.model_dump(mode="json"),
-               "grpo": {k: v for k, v in cfg.grpo.model_dump(mode="json").items()
-                        if k in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
-                                 "generation_batch_size", "steps_per_generation", "num_iterations", "max_steps",
-                                 "seed")},
-               "tokenizer": cfg.model.name_or_path}
-    return cache_root() / "plans" / _key("plan", payload, PLAN_CODE)
 
 
 def transient(task, task_run, state) -> bool:

@@ -183,7 +183,8 @@ def warm_policy(config: ExperimentConfig, data_dir: str) -> str:
 def _prepare_shared_inputs(configs: list[ExperimentConfig]) -> dict[int, str]:
     """Prep, plan and tiny-model warm start once per distinct key (sequentially); returns {trial: error} for trials
     whose shared inputs could not be built (they are recorded as failed without running)."""
-    from flows.stages import plan_dir_for, plan_flow, prep_dir_for, prep_flow
+    from flows.stages import plan_flow, prep_flow
+    from grpo.cache_dirs import plan_dir_for, prep_dir_for
 
     done: dict[str, Any] = {}
     errors: dict[int, str] = {}

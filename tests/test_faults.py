@@ -44,7 +44,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) ->
 
 def test_an_edited_data_file_is_prepared_again(tmp_path):
     """#12.1: the prep cache keys on the source's contents, not on its path."""
-    from flows.stages import prep_dir_for
+    from grpo.cache_dirs import prep_dir_for
     from grpo.stages import prep_stage
 
     source = write_rows(tmp_path / "data.jsonl", 60)

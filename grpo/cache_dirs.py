@@ -1,0 +1,54 @@
+"""Where the cached stage outputs live: content-addressed directories under the cache root.
+
+Prepared data and sampler plans are keyed on the stage's own inputs (not the whole config) plus the source code that
+computes them, so a changed training field reuses them, an edited data file or prep code lands in a new directory,
+and every path (``grpo run``, the Prefect UI, torchrun ranks, benchmarks) finds the same output in the same place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from grpo.config import ExperimentConfig
+from grpo.policy import cache_root
+
+# The modules whose source is part of each stage's key (imported lazily: grpo.stages imports this module).
+PREP_CODE = ("grpo.prep", "grpo.tasks", "grpo.stages")
+PLAN_CODE = ("grpo.plan", "grpo.stages")
+
+
+def _code_hash(modules: tuple[str, ...]) -> str:
+    sources = (inspect.getsource(importlib.import_module(m) if isinstance(m, str) else m) for m in modules)
+    return hashlib.sha256("".join(sources).encode()).hexdigest()[:16]
+
+
+def stage_key(kind: str, payload: dict[str, Any], modules: tuple[str | ModuleType, ...]) -> str:
+    """``kind-<hash>`` of a JSON payload and the source of ``modules``."""
+    blob = json.dumps(payload, sort_keys=True, default=str) + _code_hash(modules)
+    return f"{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:20]}"
+
+
+def prep_dir_for(cfg: ExperimentConfig) -> Path:
+    """Content-addressed location of prepared data: the same data config, source contents and code always land in
+    one place, and an edited source file lands in a new one."""
+    from grpo.prep import source_fingerprint
+
+    payload = {**cfg.data.model_dump(mode="json"), "source_fingerprint": source_fingerprint(cfg.data)}
+    return cache_root() / "prepared" / stage_key("prep", payload, PREP_CODE)
+
+
+def plan_dir_for(cfg: ExperimentConfig, data_hash: str) -> Path:
+    """Content-addressed location of the sampler plan: the prepared data's hash, the sampling and batch fields."""
+    payload = {"data": data_hash, "sampling": cfg.sampling.model_dump(mode="json"),
+               "grpo": {k: v for k, v in cfg.grpo.model_dump(mode="json").items()
+                        if k in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
+                                 "generation_batch_size", "steps_per_generation", "num_iterations", "max_steps",
+                                 "seed")},
+               "tokenizer": cfg.model.name_or_path}
+    return cache_root() / "plans" / stage_key("plan", payload, PLAN_CODE)
