@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt infra/install.sh
 install: $(STAMP)
 
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/grpo run --config configs/tiny.yaml --run-name $(RUN_NAME)
+	HF_HUB_OFFLINE=1 $(BIN)/grpo run --config tiny --run-name $(RUN_NAME)
 
 # The whole suite on TEST_WORKERS pytest-xdist workers (whole modules each, longest first: tests/conftest.py).
 TEST_WORKERS ?= 3

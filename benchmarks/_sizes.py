@@ -15,7 +15,7 @@ def size(name: str, full, smoke_value, smoke: bool):
     return type(full)(raw)
 
 
-# Smoke runs of the default task (configs/tiny.yaml): a short warm start, 8 prompts x 8 completions per step instead of
+# Smoke runs of the default task (the tiny preset): a short warm start, 8 prompts x 8 completions per step instead of
 # 32 x 8, a small eval set. The same for every benchmark, so one test session builds the warm start once (its cache key
 # covers the warm-start settings).
 TINY_SMOKE_OVERRIDES = ["model.warm_start.steps=40", "grpo.per_device_train_batch_size=64", "evaluation.num_prompts=32"]

@@ -22,7 +22,6 @@ from pathlib import Path
 
 from benchmarks._sizes import TINY_SMOKE_OVERRIDES, size
 
-REPO = Path(__file__).resolve().parent.parent
 EXTRA = [s for s in os.environ.get("BENCH_SET", "").split(";") if s]
 # One-version-stale rollouts need the importance-sampling correction: without it this task learned ~8 points less in
 # 150 steps (0.672 -> 0.860 vs 0.962 with it; sync 0.948); see the README's async section.
@@ -49,7 +48,7 @@ def _run(name: str, extra: list[str], round_id: int, out: Path, steps: int) -> d
     try:
         base = [f"output_dir={out}", f"grpo.max_steps={steps}", "grpo.logging_steps=1", "tracking.backend=none",
                 "evaluation.pass_k=0", f"grpo.save_steps={steps * 10}", *EXTRA]
-        cfg = load_config(REPO / "configs" / "tiny.yaml", base + extra)
+        cfg = load_config("tiny", base + extra)
         run = open_run_dir(cfg, f"{name}-{round_id}", resume=False)
         summary = run_experiment(cfg, run, log=lambda *_: None)
     finally:

@@ -25,7 +25,7 @@ def _trainer(tmp: Path, chunks: int, group: int, length: int):
     import torch
 
     from grpo.config import load_config
-    from grpo.data import load_task_data
+    from grpo.data import load_data
     from grpo.policy import load_policy
     from grpo.rewards import get_reward
     from grpo.train import grpo_args
@@ -36,7 +36,7 @@ def _trainer(tmp: Path, chunks: int, group: int, length: int):
         "model.tiny.intermediate_size=1024", f"model.tiny.max_position_embeddings={length + 16}",
         "model.warm_start.steps=0", f"grpo.num_generations={group}", f"grpo.per_device_train_batch_size={group}",
         f"grpo.num_generations_chunks={chunks}", f"grpo.max_completion_length={length}"])
-    data = load_task_data(cfg.data)
+    data = load_data(cfg)
     policy = load_policy(cfg, data, log=lambda *_: None)
     trainer = GRPOTrainer(model=policy.model, processing_class=policy.tokenizer,
                           reward_funcs=[get_reward("exact_match")], args=grpo_args(cfg, tmp / "out"),

@@ -1,6 +1,6 @@
 """``python -m benchmarks tracking_overhead``: what MLflow tracking and the Prefect pipeline cost.
 
-1. Tracking overhead. The same short GRPO training (``configs/tiny.yaml``, ``BENCH_STEPS`` steps, ``logging_steps=1``
+1. Tracking overhead. The same short GRPO training (the ``tiny`` preset, ``BENCH_STEPS`` steps, ``logging_steps=1``
    so every step logs ~25 metrics: the worst case) with MLflow tracking on versus off (no tracker), in one process.
    Tracking on is what the pipeline and ``run_experiment`` do: the config's ``tracking`` section (MLflow, a local
    SQLite store in a temp dir, system metrics on) through :func:`grpo.run_tracking.start_run_tracking` (params, tags),
@@ -92,7 +92,7 @@ def _tracking_overhead(root: Path, opts: Settings) -> dict:
     from transformers import TrainerCallback
 
     from grpo.config import load_config
-    from grpo.data import alphabet_of, load_task_data
+    from grpo.data import alphabet_of, load_data
     from grpo.policy import Policy, load_policy, tiny_cache_key
     from grpo.run_tracking import start_run_tracking
     from grpo.runs import open_run_dir
@@ -101,14 +101,14 @@ def _tracking_overhead(root: Path, opts: Settings) -> dict:
 
     out = root / "train-runs"
     uri = f"sqlite:///{root / 'mlflow-train.db'}"
-    cfg = load_config(REPO / "configs" / "tiny.yaml", [
+    cfg = load_config("tiny", [
         f"output_dir={out}", f"grpo.max_steps={opts.steps}", "grpo.logging_steps=1",
         f"grpo.save_steps={opts.steps * 10}", "evaluation.enabled=false",
         "tracking.backend=mlflow", f"tracking.tracking_uri={uri}", "tracking.experiment_name=bench-tracking-overhead",
         f"tracking.log_system_metrics={str(opts.system_metrics).lower()}",
         *(TINY_SMOKE_OVERRIDES if opts.smoke else []),
     ])
-    data = load_task_data(cfg.data)
+    data = load_data(cfg)
     seeded_from = _seed_cache(tiny_cache_key(cfg, alphabet_of(data)))
     t0 = time.perf_counter()
     base = load_policy(cfg, data, log=_quiet)  # builds and caches the warm start (outside every timing)

@@ -17,8 +17,6 @@ from pathlib import Path
 
 from benchmarks._sizes import TINY_SMOKE_OVERRIDES, size
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 def main(smoke: bool = False) -> dict:
     steps = size("BENCH_STEPS", 60, 3, smoke)
@@ -28,17 +26,17 @@ def main(smoke: bool = False) -> dict:
     from transformers import set_seed
 
     from grpo.config import load_config
-    from grpo.data import load_task_data
+    from grpo.data import load_data
     from grpo.policy import load_policy
     from grpo.rewards import get_reward
     from grpo.train import grpo_args
     from grpo.trainer import GRPOTrainer
 
     out = Path(tempfile.mkdtemp(prefix="bench-parity-"))
-    cfg = load_config(REPO / "configs" / "tiny.yaml", [f"output_dir={out}", f"grpo.max_steps={steps}",
+    cfg = load_config("tiny", [f"output_dir={out}", f"grpo.max_steps={steps}",
                                                        f"grpo.logging_steps={steps}",
                                                        *(TINY_SMOKE_OVERRIDES if smoke else [])])
-    data = load_task_data(cfg.data)
+    data = load_data(cfg)
     policy = load_policy(cfg, data, log=lambda *_: None)
     completions_per_step = cfg.generation_batch_size // (cfg.grpo.steps_per_generation or 1)
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, task
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
@@ -50,10 +50,7 @@ def transient(task, task_run, state) -> bool:
 @task(name="prepare-dataset", cache_key_fn=_cached_dir_key("prep", PREP_CODE), persist_result=True, retries=2,
       retry_delay_seconds=5, retry_condition_fn=transient)
 def prepare_task(data_config: dict, out_dir: str, config: ExperimentConfig) -> dict:
-    stats = Path(out_dir) / "stats.json"
-    if stats.is_file():  # content-addressed: same data config and code, same output (also without Prefect's cache)
-        return {**json.loads(stats.read_text()), "data_dir": out_dir}
-    return grpo.stages.prep_stage(config, Path(out_dir))
+    return grpo.stages.cached_prep(config)
 
 
 @flow(name="grpo-prep", flow_run_name="prep")
@@ -64,7 +61,6 @@ def prep_flow(config: ExperimentConfig) -> dict:
     # a cached result points at a directory; if that was deleted, recompute instead of returning a dangling path
     task_ = prepare_task.with_options(refresh_cache=not _complete(out_dir, "stats.json"))
     stats = task_(config.data.model_dump(mode="json"), str(out_dir), config)
-    get_run_logger().info(grpo.stages.prep_summary(stats))
     create_markdown_artifact(
         key="dataset-prep",
         markdown=(f"## Dataset prep\n\nSource `{config.data.source}` → `{out_dir}`\n\n"
@@ -82,16 +78,8 @@ def prep_flow(config: ExperimentConfig) -> dict:
 
 
 @task(name="write-plan", cache_key_fn=_cached_dir_key("plan", PLAN_CODE), persist_result=True)
-def plan_task(plan_key: str, data_dir: str, out_dir: str, config: ExperimentConfig) -> dict:
-    summary = Path(out_dir) / "plan.json"
-    if summary.is_file():  # content-addressed, as for prep
-        return {**json.loads(summary.read_text()), "plan_path": str(Path(out_dir) / "plan.parquet")}
-    tokenizer = None
-    if not config.model.is_tiny:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(config.model.name_or_path)
-    return grpo.stages.plan_stage(config, Path(data_dir), Path(out_dir), tokenizer)
+def plan_task(plan_key: str, data_dir: str, out_dir: str, config: ExperimentConfig, data_hash: str) -> dict:
+    return grpo.stages.cached_plan(config, data_dir, data_hash)
 
 
 @flow(name="grpo-plan", flow_run_name="plan")
@@ -99,7 +87,7 @@ def plan_flow(config: ExperimentConfig, data_dir: str, data_hash: str) -> dict:
     """Write the sampler plan (cached on data, sampling/batch fields and plan code)."""
     out_dir = plan_dir_for(config, data_hash)
     task_ = plan_task.with_options(refresh_cache=not _complete(out_dir, "plan.json"))
-    plan = task_(out_dir.name, data_dir, str(out_dir), config)
+    plan = task_(out_dir.name, data_dir, str(out_dir), config, data_hash)
     imbalance = plan.get("predicted_imbalance", {})
     create_table_artifact(
         key="plan-balance",
@@ -136,9 +124,7 @@ class PrefectProgress(TrainerCallback):
 @flow(name="grpo-eval", flow_run_name="eval-{tag}", retries=2, retry_delay_seconds=5)
 def eval_flow(config: ExperimentConfig, model_source: str, data_dir: str, out_file: str, tag: str) -> dict:
     """Greedy accuracy and pass@k of a model on the held-out split."""
-    policy = (grpo.stages.trained_policy(Path(model_source)) if Path(model_source, "config.json").is_file()
-              and tag != "before" else grpo.stages.policy_stage(config, Path(data_dir), log=lambda *_: None))
-    record = grpo.stages.eval_stage(config, policy, Path(data_dir), Path(out_file))
+    record = grpo.stages.evaluate_model(config, model_source, data_dir, out_file)
     k = config.evaluation.pass_k
     create_table_artifact(key=f"eval-samples-{tag}", table=record["samples"],
                           description=f"Sample completions ({tag} training)")

@@ -1,6 +1,6 @@
 """The sweep flow: one pipeline run per trial of a search space, under one MLflow parent run.
 
-``grpo_sweep(config, space, ...)`` (Prefect flow ``grpo-sweep``, also ``grpo sweep`` on the command line):
+``grpo_sweep(space, preset | config, ...)`` (Prefect flow ``grpo-sweep``, also ``grpo sweep`` on the command line):
 
 1. expands and validates every trial (:func:`grpo.sweep_space.expand_space`) before anything runs or is created;
 2. creates ``<output_dir>/<sweep_name>/`` and ONE MLflow parent run (tags ``grpo.run_type=sweep``, ``grpo.sweep``;
@@ -46,8 +46,8 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.pipeline import _flow_run_info, grpo_pipeline, mlflow_run_url
-from grpo.config import ExperimentConfig, to_yaml
+from flows.pipeline import Preset, _flow_run_info, default_config, grpo_pipeline, mlflow_run_url
+from grpo.config import ExperimentConfig, resolve_config, to_yaml
 from grpo.errors import RunDirectoryError
 from grpo.runs import validate_run_name
 from grpo.sweep_space import expand_space
@@ -127,7 +127,9 @@ def _run_deployment(name: str, config: ExperimentConfig, run_name: str, tracking
     ctx = FlowRunContext.get()  # the sweep's (a task's thread carries a copy of the flow run context)
     flow_run_id = ctx.flow_run.id if ctx is not None and ctx.flow_run is not None else None
     with _DEPLOYMENT_LOCK:  # create only; waiting happens outside the lock
+        # preset/overrides None: the trial's config exactly, not the deployment's preset (infra/prefect.yaml)
         fr = run_deployment(name, parameters={"config": config.model_dump(mode="json", by_alias=True),
+                                              "preset": None, "overrides": None,
                                               "run_name": run_name, "tracking_tags": tracking_tags},
                             flow_run_name=run_name, timeout=0,
                             idempotency_key=f"{flow_run_id}-trial-{index}" if flow_run_id else None)
@@ -316,8 +318,9 @@ def _results_markdown(sweep: dict, records: list[dict], best: dict | None, regis
 
 @flow(name="grpo-sweep")
 def grpo_sweep(
-    config: ExperimentConfig,
     space: dict,
+    preset: Preset | None = None,
+    config: ExperimentConfig = default_config(),
     max_concurrency: int = 2,
     metric: str = "eval_accuracy_after",
     direction: Direction = "maximize",
@@ -330,9 +333,11 @@ def grpo_sweep(
     ``config``, at most ``max_concurrency`` at once, nested under one MLflow parent run; register the best model.
 
     Args:
-        config: The base experiment every trial starts from.
         space: Search space over dotted config fields: {"grid": {"grpo.learning_rate": [1e-4, 2e-4]}} and/or
             {"random": {"n_trials": 4, "seed": 0, "params": {"grpo.beta": {"uniform": [0, 0.1]}}}}.
+        preset: Start every trial from this preset (grpo/presets/) instead of the config form below.
+        config: The base experiment every trial starts from (defaults from the tiny preset). Leave it unchanged
+            when a preset is chosen.
         max_concurrency: Trials running at once.
         metric: Summary metric that picks the best trial (eval_accuracy_after, reward_last, ...).
         direction: Whether the best trial has the largest or the smallest metric.
@@ -345,6 +350,7 @@ def grpo_sweep(
     logger = get_run_logger()
     from grpo.confine import check_config_paths
 
+    config = resolve_config(config, preset)
     check_config_paths(config)  # a served sweep (grpo serve) stays inside the allowed roots (#12.15)
     if direction not in DIRECTIONS:
         raise ValueError(f"direction: {direction!r} is not one of {', '.join(DIRECTIONS)}")

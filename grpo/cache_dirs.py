@@ -7,10 +7,13 @@ and every path (``grpo run``, the Prefect UI, torchrun ranks, benchmarks) finds 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib
 import inspect
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -20,7 +23,7 @@ from grpo.policy import cache_root
 
 # The modules whose source is part of each stage's key (imported lazily: grpo.stages imports this module).
 PREP_CODE = ("grpo.prep", "grpo.tasks", "grpo.stages")
-PLAN_CODE = ("grpo.plan", "grpo.stages")
+PLAN_CODE = ("grpo.plan", "grpo.batch_layout", "grpo.stages")
 
 
 def _code_hash(modules: tuple[str, ...]) -> str:
@@ -44,11 +47,24 @@ def prep_dir_for(cfg: ExperimentConfig) -> Path:
 
 
 def plan_dir_for(cfg: ExperimentConfig, data_hash: str) -> Path:
-    """Content-addressed location of the sampler plan: the prepared data's hash, the sampling and batch fields."""
-    payload = {"data": data_hash, "sampling": cfg.sampling.model_dump(mode="json"),
-               "grpo": {k: v for k, v in cfg.grpo.model_dump(mode="json").items()
-                        if k in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
-                                 "generation_batch_size", "steps_per_generation", "num_iterations", "max_steps",
-                                 "seed")},
+    """Content-addressed location of the sampler plan: the prepared data's hash, the batch layout (however its
+    fields were set), the run length, the sampler's order and balancing fields and the tokenizer."""
+    payload = {"data": data_hash, "layout": cfg.batch_layout.cache_key_payload(),
+               "sampling": cfg.sampling.model_dump(mode="json"),
+               "grpo": {"max_steps": cfg.grpo.max_steps, "seed": cfg.grpo.seed},
                "tokenizer": cfg.model.name_or_path}
     return cache_root() / "plans" / stage_key("plan", payload, PLAN_CODE)
+
+
+@contextmanager
+def locked(out_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``out_dir`` (a sibling ``.lock`` file) across processes, so two runs that need the
+    same cached output (parallel tests, sweep trials, ranks) compute it once and never read it half-written."""
+    lock_file = out_dir.with_name(out_dir.name + ".lock")
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with lock_file.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

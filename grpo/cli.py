@@ -41,7 +41,8 @@ app = typer.Typer(
 )
 
 PREFECT_STARTUP_SECONDS = 120
-ConfigOpt = Annotated[Path, typer.Option("--config", "-c", metavar="FILE", help="Experiment YAML, e.g. configs/tiny.yaml.")]
+ConfigOpt = Annotated[Path, typer.Option("--config", "-c", metavar="FILE|PRESET",
+                                         help="Experiment YAML file, or a preset name: tiny, qwen2.5-0.5b-gsm8k.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a field: section.field=value (repeatable).")]
 RewardModuleOpt = Annotated[
     Optional[list[Path]], typer.Option("--reward-module", metavar="FILE", help="Python file registering reward functions (repeatable).")
@@ -191,7 +192,8 @@ def run(
 @app.command()
 def sweep(
     config: ConfigOpt,
-    space: Annotated[Path, typer.Option("--space", help="Search space YAML/JSON: grid and/or random over field paths.")],
+    space: Annotated[Path, typer.Option("--space", help="Search space YAML/JSON: grid and/or random over field paths; "
+                                                        "or a space preset name (tiny-lr-beta).")],
     max_concurrency: Annotated[int, typer.Option("--max-concurrency", help="Trials running at once.")] = 2,
     metric: Annotated[str, typer.Option("--metric", help="Summary key (or MLflow metric) picking the best trial.")] = "eval_accuracy_after",
     direction: Annotated[str, typer.Option("--direction", help="maximize or minimize the metric.")] = "maximize",
@@ -272,16 +274,22 @@ def plan(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing plan.")] = False,
     reward_module: RewardModuleOpt = None,
 ) -> None:
-    """Write the prompt schedule (plan.parquet + plan.json), checking that the config fits the dataset."""
+    """Write the prompt schedule (plan.parquet + plan.json) over the prepared training rows a run trains on,
+    checking that the config fits the dataset."""
     try:
         cfg = _load(config, set_, reward_module)
-        from grpo.plan import build_plan, default_plan_dir, summary_table, train_prompt_lengths
+        from grpo.plan import default_plan_dir, plan_tokenizer, summary_table
+        from grpo.stages import cached_prep, plan_stage, prep_summary
 
-        summary = build_plan(cfg, train_prompt_lengths(cfg), out or default_plan_dir(cfg), overwrite=overwrite)
+        # The rows a run trains on: the prep stage's cached output (validated, quarantine applied), as `grpo run`.
+        prep = cached_prep(cfg)
+        summary = plan_stage(cfg, Path(prep["data_dir"]), out or default_plan_dir(cfg), plan_tokenizer(cfg),
+                             overwrite=overwrite)
     except GRPOPlatformError as err:
         _fail(str(err))
     from rich.console import Console
 
+    typer.echo(prep_summary(prep))
     Console().print(summary_table(summary))
 
 
@@ -358,14 +366,15 @@ def ui(
 @app.command()
 def serve(
     config: Annotated[
-        Optional[Path], typer.Option("--config", "-c", metavar="FILE", help="Defaults of the run form (default: configs/tiny.yaml).")
+        Optional[Path], typer.Option("--config", "-c", metavar="FILE|PRESET",
+                                     help="Defaults of the run form: a YAML file or preset name (default: tiny).")
     ] = None,
     schedule: Annotated[
         Optional[str], typer.Option("--schedule", help="Cron string: run the sweep (or the pipeline) on this schedule.")
     ] = None,
     schedule_flow: Annotated[
         Optional[str], typer.Option("--schedule-flow", help="Which deployment --schedule applies to: sweep or pipeline "
-                                                            "(default: sweep when flows/sweep.py exists).")
+                                                            "(default: sweep when the sweep flow is installed).")
     ] = None,
     timezone: Annotated[Optional[str], typer.Option("--timezone", help="Time zone of --schedule (default UTC).")] = (
         None

@@ -3,18 +3,24 @@
 Field names follow ``trl.GRPOConfig`` (section ``grpo``) and axolotl's async ``trl:`` block (section ``async``), so
 settings carry over. Every rule that can be checked without a model is checked here; a bad value fails at load
 with the field's dotted path and the valid values.
+
+Presets ship inside the package (``grpo/presets/*.yaml``, read with :mod:`importlib.resources`): ``load_config`` takes
+a file or a preset name. The defaults are the ``tiny`` preset's values except ``DEFAULTS_NOT_FROM_TINY``.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib.util
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from grpo.batch_layout import BatchLayout, batch_layout
 from grpo.errors import ConfigError
 
 LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
@@ -125,7 +131,7 @@ class TinyModelConfig(_Section):
 class WarmStartConfig(_Section):
     """Supervised steps on (prompt, answer) before GRPO, so groups have reward variance to learn from."""
 
-    steps: int = Field(350, ge=0, description="0 disables the warm start.")
+    steps: int = Field(1000, ge=0, description="0 disables the warm start.")
     learning_rate: float = Field(1e-3, gt=0)
     """AdamW learning rate of the warm start."""
     batch_size: int = Field(64, ge=1)
@@ -218,8 +224,8 @@ class GRPOSection(_Section):
     model_config = ConfigDict(**_Section.model_config, json_schema_extra=_trl_help)
 
     learning_rate: float = Field(1e-4, gt=0)
-    max_steps: int = Field(400, ge=1, description="Optimizer steps.")
-    per_device_train_batch_size: int = Field(32, ge=1, description="Completions per device per micro-step.")
+    max_steps: int = Field(500, ge=1, description="Optimizer steps.")
+    per_device_train_batch_size: int = Field(256, ge=1, description="Completions per device per micro-step.")
     gradient_accumulation_steps: int = Field(1, ge=1)
     num_generations: int = Field(8, ge=2, description="Completions per prompt (the group size).")
     generation_batch_size: int | None = Field(None, ge=1, description="Completions generated at once (all ranks).")
@@ -456,13 +462,14 @@ class ExperimentConfig(_Section):
             )
         if g.generation_batch_size is not None and g.steps_per_generation is not None:
             raise ValueError("grpo.generation_batch_size and grpo.steps_per_generation can not both be set; set one")
-        global_batch = g.per_device_train_batch_size * s.world_size
+        layout = self.batch_layout
+        global_batch = layout.global_batch_size
         if g.generation_batch_size is not None and g.generation_batch_size % global_batch:
             raise ValueError(
                 f"grpo.generation_batch_size ({g.generation_batch_size}) must be divisible by the global batch "
                 f"per_device_train_batch_size x sampling.world_size = {global_batch}"
             )
-        gen_batch = self.generation_batch_size
+        gen_batch = layout.generation_batch_size
         if gen_batch % g.num_generations:
             raise ValueError(
                 f"generation batch ({gen_batch} completions) must be divisible by grpo.num_generations "
@@ -521,8 +528,8 @@ class ExperimentConfig(_Section):
                 "kernels); use 1. The sampler layout for it is in grpo/sampling.py"
             )
         if s.world_size > 1:
-            per_rank = g.per_device_train_batch_size * (self.generation_batch_size // global_batch)
-            if per_rank % g.num_generations:
+            per_rank = layout.completions_per_rank
+            if not layout.whole_groups_per_rank:
                 raise ValueError(
                     f"with sampling.world_size > 1 each rank generates whole groups: per_device_train_batch_size x "
                     f"steps_per_generation = {per_rank} must be divisible by grpo.num_generations ({g.num_generations})"
@@ -566,7 +573,7 @@ class ExperimentConfig(_Section):
                 "micro-batch and rank; balancing regroups them into token budgets and changes the bonus' gradient: "
                 "turn seqlen_balancing off, or drop the entropy bonus"
             )
-        steps = self.generation_batch_size // (g.per_device_train_batch_size * s.world_size)
+        steps = self.batch_layout.steps_per_generation
         if quantile < 1.0 and steps > 1:
             raise ValueError(
                 f"grpo.extra.top_entropy_quantile ({quantile}) with sampling.seqlen_balancing and {steps} micro-batches "
@@ -577,13 +584,14 @@ class ExperimentConfig(_Section):
             )
 
     @property
+    def batch_layout(self) -> BatchLayout:
+        """World size, per-device batch, steps per generation, prompts per rank and round (TRL's derivation)."""
+        return batch_layout(self)
+
+    @property
     def generation_batch_size(self) -> int:
         """Completions generated per generation round across all ranks (TRL's derivation)."""
-        g = self.grpo
-        if g.generation_batch_size is not None:
-            return g.generation_batch_size
-        steps = g.steps_per_generation or g.gradient_accumulation_steps
-        return g.per_device_train_batch_size * self.sampling.world_size * steps
+        return self.batch_layout.generation_batch_size
 
 
 # ---------------------------------------------------------------- loading
@@ -685,47 +693,109 @@ def read_text_file(path: Path) -> str:
         raise ConfigError(f"{path}: not UTF-8 text (line {line}: byte {data[err.start]:#04x}); save it as UTF-8") from None
 
 
+# ---------------------------------------------------------------- presets (package data: grpo/presets/)
+
+# Where ExperimentConfig() differs from the tiny preset, and why (tests/test_config.py checks every other field).
+DEFAULTS_NOT_FROM_TINY: dict[str, str] = {
+    "model.warm_start.carry_error_rate": "0: imperfect demonstrations are the tiny experiment's choice, and any other "
+    "value is refused for non-synthetic data",
+    "evaluation.num_prompts": "null (every held-out prompt) for any dataset; tiny caps it at its 500",
+    "tracking.backend": "'none': a bare config writes only its run directory; tiny tracks into MLflow",
+    "tracking.experiment_name": "'grpo' for any experiment; tiny logs under 'grpo-tiny'",
+}
+
+PRESETS_PACKAGE = "grpo"
+PRESETS_FOLDER = "presets"
+DEFAULT_PRESET = "tiny"  # the starting values of run forms (grpo serve, the pipeline flow's config parameter)
+
+
+def _preset_dir(kind: str = "") -> Traversable:
+    folder = resources.files(PRESETS_PACKAGE).joinpath(PRESETS_FOLDER)
+    return folder.joinpath(kind) if kind else folder
+
+
+def presets(kind: str = "") -> list[str]:
+    """Names of the presets shipped with the package: experiment configs (``tiny``, ``qwen2.5-0.5b-gsm8k``) in
+    ``grpo/presets/``, or with ``kind="spaces"`` the sweep search spaces in ``grpo/presets/spaces/``."""
+    folder = _preset_dir(kind)
+    if not folder.is_dir():
+        return []
+    return sorted(f.name[: -len(".yaml")] for f in folder.iterdir() if f.is_file() and f.name.endswith(".yaml"))
+
+
+def preset_file(name: str, kind: str = "") -> Traversable:
+    """The packaged YAML of preset ``name`` (read it with ``.read_text()``; it need not be a file on disk)."""
+    if name not in presets(kind):
+        what = "space preset" if kind == "spaces" else "preset"
+        raise ConfigError(f"unknown {what} {name!r}; valid: {', '.join(presets(kind))}")
+    return _preset_dir(kind).joinpath(f"{name}.yaml")
+
+
+def _looks_like_name(value: str) -> bool:
+    return "/" not in value and "\\" not in value and not value.endswith((".yaml", ".yml", ".json"))
+
+
+def _config_source(path: str | Path) -> tuple[str, str]:
+    """(YAML text, name for messages) of a config file, else of the preset of that name."""
+    file = Path(path)
+    if file.is_file():
+        return read_text_file(file), str(file)
+    name = str(path)
+    if name in presets():
+        return preset_file(name).read_text(encoding="utf-8"), f"preset {name}"
+    hint = f"; or a preset name: {', '.join(presets())}" if _looks_like_name(name) else ""
+    raise ConfigError(f"config file not found: {file}{hint}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Read YAML (or the built-in defaults when ``path`` is None), apply ``--set`` overrides, validate."""
+    """Read YAML from a file or a preset (a name from :func:`presets`, e.g. ``tiny``; a file of that name wins), or
+    the built-in defaults when ``path`` is None; apply ``--set`` overrides, validate."""
     data: dict = {}
     source = "defaults"
     if path is not None:
-        path = Path(path)
-        source = str(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
+        text, source = _config_source(path)
         try:
-            loaded = yaml.safe_load(read_text_file(path))
+            loaded = yaml.safe_load(text)
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise ConfigError(f"{path}: YAML syntax error{where}: {problem}") from None
+            raise ConfigError(f"{source}: YAML syntax error{where}: {problem}") from None
         if loaded is None:
-            raise ConfigError(f"{path}: the file is empty (no sections); write the settings to change, or start from "
-                              "a preset such as configs/tiny.yaml")
+            raise ConfigError(f"{source}: the file is empty (no sections); write the settings to change, or start "
+                              f"from a preset such as `--config tiny` ({', '.join(presets())})")
         if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections (data, model, grpo, ...)")
+            raise ConfigError(f"{source}: top level must be a mapping of sections (data, model, grpo, ...)")
         data = loaded
     data = apply_overrides(data, overrides or [])
     return config_from_dict(data, source)
 
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-def presets() -> list[str]:
-    """Names of the YAML presets in ``configs/`` (``tiny``, ``qwen2.5-0.5b-gsm8k``, ...)."""
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+def _is_preset(config: ExperimentConfig, preset: str) -> bool:
+    try:
+        return config == load_config(preset)
+    except ConfigError:  # the preset needs an override to load here (qwen2.5-0.5b-gsm8k without vllm)
+        return False
 
 
 def resolve_config(config: ExperimentConfig, preset: str | None = None, overrides: list[str] | None = None
                    ) -> ExperimentConfig:
-    """What a form submits: a preset (replacing ``config``) and/or ``key=value`` overrides on top."""
+    """What a form submits: a preset (replacing ``config``) and/or ``key=value`` overrides on top.
+
+    A deployment that names a preset keeps it among its parameters; a run of it that also brings a config of its own
+    (an edited form, an API call, a sweep trial) would silently train the preset instead, so a config that is neither
+    the form's default (:data:`DEFAULT_PRESET`) nor the preset itself is refused next to a preset."""
     if preset is not None:
         if preset not in presets():
             raise ConfigError(f"preset: unknown preset {preset!r}; valid: {', '.join(presets())}")
-        return load_config(PRESETS_DIR / f"{preset}.yaml", overrides)
+        chosen = load_config(preset, overrides)
+        if config is not None and config not in (load_config(DEFAULT_PRESET), chosen) and not _is_preset(config, preset):
+            raise ConfigError(
+                f"preset: {preset!r} replaces the whole config, but a changed config was given too; set preset to "
+                "null (None in the run form) to run that config, or keep the preset and change fields with overrides "
+                "(key=value)"
+            )
+        return chosen
     if overrides:
         data = apply_overrides(config.model_dump(mode="json", by_alias=True), overrides)
         return config_from_dict(data, "overrides")

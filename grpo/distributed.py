@@ -39,12 +39,18 @@ def decide_on_main(fn: Callable[[], T]) -> T:
     from grpo.errors import GRPOPlatformError
 
     box: list = [None]
+    failure: BaseException | None = None
     if is_main_process():
         try:
             box[0] = ("ok", fn())
         except GRPOPlatformError as err:
             box[0] = ("error", err)
+        except Exception as err:  # not the user's input: rank 0 re-raises it, the others stop instead of waiting
+            failure = err
+            box[0] = ("error", RuntimeError(f"rank 0 failed: {type(err).__name__}: {err}"))
     dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
     status, value = box[0]
     if status == "error":
         raise value

@@ -3,7 +3,8 @@
 A plan answers "which prompt does SP group g see in generation round r, and at which optimizer step" for every
 round of the run, and fails early when the config does not fit the dataset (batch arithmetic that does not
 divide, a dataset smaller than one round with ``drop_last``). It is the schedule of
-:class:`grpo.sampling.SequenceParallelRepeatRandomSampler` with TRL's step arithmetic:
+:class:`grpo.sampling.SequenceParallelRepeatRandomSampler` with TRL's step arithmetic (derived once, in
+:mod:`grpo.batch_layout`):
 
 * ``steps_per_generation`` is ``grpo.steps_per_generation``, else ``generation_batch_size //
   (per_device_train_batch_size * world_size)`` when that is set, else ``gradient_accumulation_steps`` (TRL's);
@@ -51,8 +52,8 @@ __all__ = [
     "plan_spec",
     "read_plan_indices",
     "read_plan_meta",
+    "plan_tokenizer",
     "summary_table",
-    "train_prompt_lengths",
 ]
 
 PLAN_FILE, SUMMARY_FILE = "plan.parquet", "plan.json"
@@ -199,20 +200,18 @@ def plan_spec(cfg: ExperimentConfig) -> PlanSpec:
             f"sampling.world_size, grpo.num_generations and grpo.num_iterations must be <= {_INT16_MAX} "
             f"(got {world}, {g.num_generations}, {g.num_iterations})"
         )
-    pdbs, gen = g.per_device_train_batch_size, g.num_generations
-    if g.steps_per_generation is not None:
-        spg, source = g.steps_per_generation, "grpo.steps_per_generation"
-    elif g.generation_batch_size is not None:
-        if g.generation_batch_size % (pdbs * world):
-            raise ConfigError(
-                f"grpo.generation_batch_size ({g.generation_batch_size}) must be a multiple of "
-                f"grpo.per_device_train_batch_size x sampling.world_size = {pdbs * world}"
-            )
-        spg, source = g.generation_batch_size // (pdbs * world), "grpo.generation_batch_size"
-    else:
-        spg, source = g.gradient_accumulation_steps, "grpo.gradient_accumulation_steps"
-    per_rank = pdbs * spg
-    if per_rank % gen:
+    layout = cfg.batch_layout
+    pdbs, gen = layout.per_device_train_batch_size, layout.num_generations
+    if layout.steps_per_generation_from == "grpo.generation_batch_size" and (
+        layout.generation_batch_size % layout.global_batch_size
+    ):
+        raise ConfigError(
+            f"grpo.generation_batch_size ({layout.generation_batch_size}) must be a multiple of "
+            f"grpo.per_device_train_batch_size x sampling.world_size = {layout.global_batch_size}"
+        )
+    spg, source = layout.steps_per_generation, layout.steps_per_generation_from
+    per_rank = layout.completions_per_rank
+    if not layout.whole_groups_per_rank:
         step = gen // math.gcd(gen, spg)
         raise ConfigError(
             f"grpo.num_generations: grpo.per_device_train_batch_size x steps_per_generation = {pdbs} x {spg} = "
@@ -227,15 +226,15 @@ def plan_spec(cfg: ExperimentConfig) -> PlanSpec:
             f"micro-steps is more than a plan holds (<= {_INT32_MAX})"
         )
     return PlanSpec(
-        world_size=world,
-        sequence_parallel_degree=degree,
-        num_sp_groups=world // degree,
+        world_size=layout.world_size,
+        sequence_parallel_degree=layout.sequence_parallel_degree,
+        num_sp_groups=layout.num_sp_groups,
         num_generations=gen,
         per_device_train_batch_size=pdbs,
-        gradient_accumulation_steps=g.gradient_accumulation_steps,
+        gradient_accumulation_steps=layout.gradient_accumulation_steps,
         steps_per_generation=spg,
-        num_iterations=g.num_iterations,
-        prompts_per_sp_group=per_rank // gen,
+        num_iterations=layout.num_iterations,
+        prompts_per_sp_group=layout.prompts_per_rank,
         max_steps=g.max_steps,
         seed=g.seed,
         shuffle=s.shuffle,
@@ -529,21 +528,17 @@ class PlanSampler(Sampler[int]):
 # ------------------------------------------------------------------------------------------------ CLI helpers
 
 
-def train_prompt_lengths(cfg: ExperimentConfig) -> np.ndarray:
-    """Token length of every training prompt: characters for the tiny model, the model's tokenizer otherwise."""
-    from grpo.data import load_task_data
-
-    prompts = list(load_task_data(cfg.data)["train"]["prompt"])
+def plan_tokenizer(cfg: ExperimentConfig) -> Any | None:
+    """The tokenizer prompt lengths are counted with: None (characters) for the tiny model, the model's otherwise."""
     if cfg.model.is_tiny:
-        return prompt_token_lengths(prompts, None)
+        return None
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+        return AutoTokenizer.from_pretrained(cfg.model.name_or_path)
     except Exception as err:  # missing files, offline hub, unknown id: all user-facing
         name = cfg.model.name_or_path
         raise ConfigError(f"model.name_or_path {name!r}: could not load its tokenizer: {err}") from None
-    return prompt_token_lengths(prompts, tokenizer)
 
 
 def prompt_token_lengths(prompts: list, tokenizer: Any | None) -> np.ndarray:
@@ -556,9 +551,12 @@ def prompt_token_lengths(prompts: list, tokenizer: Any | None) -> np.ndarray:
     return np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
 
 
-def summary_table(summary: PlanSummary) -> Any:
-    """A short rich table of the numbers a user checks before launching a run."""
+def summary_table(summary: PlanSummary | dict[str, Any]) -> Any:
+    """A short rich table of the numbers a user checks before launching a run (a summary or its ``plan.json``)."""
     from rich.table import Table
+
+    if isinstance(summary, dict):
+        summary = PlanSummary(**{f.name: summary[f.name] for f in dataclasses.fields(PlanSummary)})
 
     imb, tokens = summary.predicted_imbalance, summary.expected_prompt_tokens_per_rank
 

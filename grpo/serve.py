@@ -2,8 +2,8 @@
 
 ``grpo serve`` is the one-command local setup: it registers the pipeline flow (and the sweep flow) as deployments
 of the Prefect server at ``PREFECT_API_URL`` and runs their flow runs on this machine (subprocesses of this one)
-until Ctrl-C, with no work pool or worker (``prefect.serve``). The run form in the Prefect UI starts from
-``configs/tiny.yaml``; ``--schedule CRON`` makes the sweep (or the pipeline) recur.
+until Ctrl-C, with no work pool or worker (``prefect.serve``). The run form in the Prefect UI starts from the
+``tiny`` preset (or ``--config FILE|PRESET``); ``--schedule CRON`` makes the sweep (or the pipeline) recur.
 
 ``grpo deploy`` is ``prefect deploy`` over ``infra/prefect.yaml`` (deployments to work pools, run by workers), with
 the checks done first so a missing server, work pool or flow file is one line, and with a fix for Prefect 3.8.8's
@@ -12,6 +12,7 @@ the checks done first so a missing server, work pool or flow file is one line, a
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,7 @@ import yaml
 
 from grpo.errors import GRPOPlatformError
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = REPO / "configs" / "tiny.yaml"
-SWEEP_FILE = REPO / "flows" / "sweep.py"
+SWEEP_MODULE = "flows.sweep"
 
 # Defaults of the sweep's run form (the same as the `nightly` deployment in infra/prefect.yaml).
 SWEEP_PARAMETERS: dict[str, Any] = {
@@ -83,15 +82,16 @@ def check_cron(cron: str, timezone: str | None = None) -> None:
         raise ServeError(f"--schedule {cron!r}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
-def config_parameter(config_path: Path | None) -> dict:
-    """The experiment config as a flow parameter (JSON, YAML names): the run form's starting values."""
-    from grpo.config import load_config
+def config_parameter(config_path: Path | str | None) -> dict:
+    """The experiment config (a file or a preset name) as a flow parameter (JSON, YAML names): the run form's
+    starting values."""
+    from grpo.config import DEFAULT_PRESET, load_config
 
-    return load_config(config_path or DEFAULT_CONFIG).model_dump(mode="json", by_alias=True)
+    return load_config(config_path or DEFAULT_PRESET).model_dump(mode="json", by_alias=True)
 
 
 def sweep_available() -> bool:
-    return SWEEP_FILE.is_file()
+    return importlib.util.find_spec(SWEEP_MODULE) is not None
 
 
 def build_deployments(
@@ -104,10 +104,10 @@ def build_deployments(
     """The runner deployments ``grpo serve`` serves: ``grpo-pipeline/<name>`` and, when flows/sweep.py exists,
     ``grpo-sweep/<name>``; ``schedule`` (cron) goes to ``schedule_flow`` (default: the sweep if there is one)."""
     config = config_parameter(config_path)
-    source = config_path or DEFAULT_CONFIG.relative_to(REPO)
+    source = config_path or "the tiny preset"
     target = schedule_flow or ("sweep" if sweep_available() else "pipeline")
     if target == "sweep" and not sweep_available():
-        raise ServeError(f"--schedule-flow sweep: {SWEEP_FILE.relative_to(REPO)} does not exist")
+        raise ServeError(f"--schedule-flow sweep: the module {SWEEP_MODULE} is not installed")
     if schedule is not None:
         check_cron(schedule, timezone)
 
@@ -225,8 +225,8 @@ def check_deploy(prefect_file: Path, names: list[str] | None = None, check_pools
                              "repository root)")
         pool = (entry.get("work_pool") or {}).get("name")
         if check_pools and pool and httpx.get(f"{url}/work_pools/{pool}", timeout=10).status_code == 404:
-            template = REPO / "infra" / "work-pools" / f"{pool}.json"
-            hint = f" --base-job-template {template.relative_to(REPO)}" if template.is_file() else ""
+            template = Path("infra") / "work-pools" / f"{pool}.json"  # deploys run from the repository root
+            hint = f" --base-job-template {template}" if (Path.cwd() / template).is_file() else ""
             raise ServeError(f"deployment {name!r}: work pool {pool!r} does not exist; create it first: "
                              f"prefect work-pool create {pool} --type process{hint}")
     return wanted

@@ -1,22 +1,30 @@
 """The pipeline's stages as plain functions that pass paths: prep → plan → train → eval.
 
-``grpo.experiment.run_experiment`` calls them in order in one process; the Prefect flows in ``flows/`` call the same
-functions as subflows. Each stage reads what the previous one wrote (Parquet data, a plan file, a model
-directory) and returns a small JSON-able summary, so nothing large travels between stages.
+The recipe (:mod:`grpo.recipe`) sequences them; :class:`grpo.experiment.LocalStages` calls them directly and the
+Prefect flows in ``flows/`` call the same functions as subflows. Each stage reads what the previous one wrote
+(Parquet data, a plan file, a model directory) and returns a small JSON-able summary, so nothing large travels
+between stages. Prepared data and plans are cached in content-addressed directories (:mod:`grpo.cache_dirs`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from grpo import distributed
+
+from grpo.cache_dirs import locked, plan_dir_for, prep_dir_for
 from grpo.config import ExperimentConfig
 from grpo.evaluation import EvalResult, evaluate_policy
-from grpo.plan import build_plan, prompt_token_lengths
+from grpo.plan import build_plan, plan_tokenizer, prompt_token_lengths
 from grpo.policy import Policy, load_policy
 from grpo.prep import load_prepared, prepare_dataset
 from grpo.rewards import get_reward
+from grpo.runs import RunDir
+from grpo.train import train_grpo
 
 
 def prep_stage(cfg: ExperimentConfig, out_dir: Path) -> dict[str, Any]:
@@ -25,6 +33,16 @@ def prep_stage(cfg: ExperimentConfig, out_dir: Path) -> dict[str, Any]:
     result = prepare_dataset(d, out_dir, max_prompt_chars=d.max_prompt_chars, max_answer_chars=d.max_answer_chars,
                              duplicates=d.duplicates, min_rows=d.min_rows)
     return {**result.stats, "data_dir": str(out_dir)}
+
+
+def cached_prep(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The prep stage into its content-addressed directory, or the stats of the complete output already there."""
+    out_dir = prep_dir_for(cfg)
+    with locked(out_dir):
+        stats = out_dir / "stats.json"
+        if stats.is_file():
+            return {**json.loads(stats.read_text()), "data_dir": str(out_dir)}
+        return prep_stage(cfg, out_dir)
 
 
 def prep_summary(stats: dict[str, Any]) -> str:
@@ -42,11 +60,38 @@ def policy_stage(cfg: ExperimentConfig, data_dir: Path, log=print) -> Policy:
     return load_policy(cfg, load_prepared(data_dir), log=log)
 
 
-def plan_stage(cfg: ExperimentConfig, data_dir: Path, out_dir: Path, tokenizer=None) -> dict[str, Any]:
-    """Write the prompt schedule for training (``plan.parquet`` + ``plan.json``); see :mod:`grpo.plan`."""
+def plan_stage(cfg: ExperimentConfig, data_dir: Path, out_dir: Path, tokenizer=None,
+               overwrite: bool = False) -> dict[str, Any]:
+    """Write the prompt schedule over the prepared train rows (``plan.parquet`` + ``plan.json``); see :mod:`grpo.plan`.
+    ``grpo plan`` calls this too, on the data :func:`cached_prep` prepared for the config (the rows a run trains on)."""
     prompts = list(load_prepared(data_dir)["train"]["prompt"])
-    summary = build_plan(cfg, prompt_token_lengths(prompts, None if cfg.model.is_tiny else tokenizer), out_dir)
+    summary = build_plan(cfg, prompt_token_lengths(prompts, None if cfg.model.is_tiny else tokenizer), out_dir,
+                         overwrite=overwrite)
     return {**summary.to_dict(), "plan_path": str(out_dir / "plan.parquet")}
+
+
+def cached_plan(cfg: ExperimentConfig, data_dir: str | Path, content_hash: str) -> dict[str, Any]:
+    """The plan stage into its content-addressed directory (tokenizer loaded here for a hub/local model), or the
+    summary of the complete plan already there."""
+    out_dir = plan_dir_for(cfg, content_hash)
+    with locked(out_dir):
+        summary = out_dir / "plan.json"
+        if summary.is_file():
+            return {**json.loads(summary.read_text()), "plan_path": str(out_dir / "plan.parquet")}
+        return plan_stage(cfg, Path(data_dir), out_dir, plan_tokenizer(cfg))
+
+
+def plan_summary(plan: dict[str, Any]) -> str:
+    """The plan stage's console line."""
+    return (f"plan: {plan['optimizer_steps']} optimizer steps in {plan['generation_rounds']} generation rounds of "
+            f"{plan['prompts_per_round']} prompts ({plan['epochs']} epochs)")
+
+
+def evaluate_model(cfg: ExperimentConfig, model: str, data_dir: str | Path, out_file: str | Path) -> dict[str, Any]:
+    """Evaluate ``model``: ``"policy"`` for the policy GRPO starts from, or a trained model's directory."""
+    policy = (trained_policy(Path(model)) if model != "policy"
+              else policy_stage(cfg, Path(data_dir), log=lambda *_: None))
+    return eval_stage(cfg, policy, Path(data_dir), Path(out_file))
 
 
 def eval_stage(cfg: ExperimentConfig, policy: Policy, data_dir: Path, out_file: Path) -> dict[str, Any]:
@@ -65,6 +110,21 @@ def eval_stage(cfg: ExperimentConfig, policy: Policy, data_dir: Path, out_file: 
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text(json.dumps(record, indent=2))
     return record
+
+
+def train_stage(cfg: ExperimentConfig, run: RunDir, data_dir: str | Path, plan_path: str | Path, resume: bool,
+                callbacks: Sequence[Any] = (), log: Callable[[str], None] = print) -> dict[str, Any]:
+    """GRPO into ``run`` on every rank, from the last checkpoint when there is one (a retried attempt resumes).
+    Rank 0 loads the starting policy first (building the cached tiny model once), then the other ranks."""
+    resume = resume or run.latest_checkpoint() is not None
+    main = distributed.is_main_process()
+    policy = policy_stage(cfg, Path(data_dir), log=log) if main else None
+    distributed.barrier()
+    if not main:
+        policy = policy_stage(cfg, Path(data_dir), log=log)
+    result = train_grpo(cfg, policy, load_prepared(Path(data_dir))["train"], run, resume, plan_path=Path(plan_path),
+                        callbacks=list(callbacks), echo=log)
+    return {**dataclasses.asdict(result), "model_dir": str(run.model_dir), "policy_source": policy.source}
 
 
 def trained_policy(model_dir: Path) -> Policy:

@@ -37,7 +37,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from grpo.config import ExperimentConfig, config_from_dict, flatten
+from grpo.config import ExperimentConfig, config_from_dict, flatten, preset_file, presets
 from grpo.errors import ConfigError
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "choice")
@@ -54,20 +54,25 @@ class SpaceError(ConfigError):
 
 
 def load_space(path: str | Path) -> dict:
-    """Read a space from a ``.yaml``/``.yml``/``.json`` file and check its structure (not yet against a config)."""
-    path = Path(path)
-    if not path.is_file():
-        raise SpaceError(f"space file not found: {path}")
-    text = path.read_text()
+    """Read a space from a ``.yaml``/``.yml``/``.json`` file, or the packaged space preset of that name
+    (``tiny-lr-beta``, see ``presets("spaces")``), and check its structure (not yet against a config)."""
+    file = Path(path)
+    if file.is_file():
+        text, source, is_json = file.read_text(), str(file), file.suffix == ".json"
+    elif str(path) in presets("spaces"):
+        text, source, is_json = preset_file(str(path), "spaces").read_text(encoding="utf-8"), f"space preset {path}", False
+    else:
+        hint = f"; or a space preset: {', '.join(presets('spaces'))}" if "/" not in str(path) else ""
+        raise SpaceError(f"space file not found: {file}{hint}")
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if is_json else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise SpaceError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {first}") from None
+        raise SpaceError(f"{source}: not valid {'JSON' if is_json else 'YAML'}: {first}") from None
     try:
         check_space(data)
     except SpaceError as err:
-        raise SpaceError(f"{path}: {err}") from None
+        raise SpaceError(f"{source}: {err}") from None
     return data
 
 

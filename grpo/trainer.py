@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 from torch.utils.data import Sampler
 from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
+from grpo.batch_layout import BatchLayout
 from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError
 from grpo.group_balancing import BALANCED_ROWS, rebalance_groups, split_by_token_budget
@@ -105,7 +106,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             world_size=world,
             rank=self.accelerator.process_index,
             batch_size=self.prompts_per_rank_per_generation,
-            repeat_count=self.num_iterations * self.args.steps_per_generation,
+            repeat_count=self.batch_layout.micro_steps_per_round,
             sequence_parallel_degree=sp_degree,
             shuffle=self.shuffle_dataset,
             seed=self.args.seed,
@@ -113,15 +114,29 @@ class GRPOTrainer(trl.GRPOTrainer):
         )
 
     @property
+    def batch_layout(self) -> BatchLayout:
+        """The batch layout of this trainer: TRL's resolved arguments and the launched processes (the same numbers
+        as ``experiment.batch_layout`` when the launch matches the config, which ``__init__`` checks)."""
+        return BatchLayout.derive(
+            world_size=self.accelerator.num_processes,
+            sequence_parallel_degree=self.experiment.sampling.sequence_parallel_degree if self.experiment else 1,
+            per_device_train_batch_size=self.args.per_device_train_batch_size,
+            gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+            num_generations=self.num_generations,
+            num_iterations=self.num_iterations,
+            steps_per_generation=self.args.steps_per_generation,
+        )
+
+    @property
     def prompts_per_rank_per_generation(self) -> int:
-        completions = self.args.per_device_train_batch_size * self.args.steps_per_generation
-        if completions % self.num_generations:
+        layout = self.batch_layout
+        if not layout.whole_groups_per_rank:
             raise ValueError(
                 f"with several processes each rank generates whole groups: grpo.per_device_train_batch_size "
-                f"({self.args.per_device_train_batch_size}) x steps_per_generation ({self.args.steps_per_generation}) "
-                f"must be divisible by grpo.num_generations ({self.num_generations})"
+                f"({layout.per_device_train_batch_size}) x steps_per_generation ({layout.steps_per_generation}) "
+                f"must be divisible by grpo.num_generations ({layout.num_generations})"
             )
-        return completions // self.num_generations
+        return layout.prompts_per_rank
 
     def get_train_dataloader(self):
         dataloader = super().get_train_dataloader()
@@ -141,7 +156,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         # micro-batches are then served in turn. Only the two halves are separate methods here.
         if not self.model.training:
             return self.assemble_generation_batch(generation_batch)
-        generate_every = self.args.steps_per_generation * self.num_iterations
+        generate_every = self.batch_layout.micro_steps_per_round
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             batch = self.assemble_generation_batch(generation_batch)
             self._buffered_inputs = self.split_generation_batch(batch)
@@ -184,7 +199,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     @property
     def _micro_steps_per_round(self) -> int:
-        return self.args.steps_per_generation * self.num_iterations
+        return self.batch_layout.micro_steps_per_round
 
     def _current_round(self) -> int:
         ga = self.args.gradient_accumulation_steps
@@ -196,7 +211,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             import itertools
 
             sampler = self.build_train_sampler(self.train_dataset)
-            rows = self.args.per_device_train_batch_size * self.args.steps_per_generation
+            rows = self.batch_layout.completions_per_rank
             block = rows * self._micro_steps_per_round
             self._round_iter = (list(itertools.islice(it, rows)) for it in iter(
                 lambda s=iter(sampler): list(itertools.islice(s, block)), []))
@@ -231,7 +246,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         gen = {"max_new_tokens": self.max_completion_length, "temperature": gc.temperature, "top_p": gc.top_p,
                "top_k": gc.top_k, "pad_token_id": self._tokenizer.pad_token_id, "eos_token_ids": list(self.eos_token_ids)}
         # The trainer keeps all its intra-op threads: the generator is idle most of a step, and measured on 2 cores
-        # (150 steps of configs/tiny.yaml) a trainer cut to 1 thread was 1.23x slower than one sharing the cores.
+        # (150 steps of the tiny preset) a trainer cut to 1 thread was 1.23x slower than one sharing the cores.
         self._producer = AsyncRolloutProducer(str(init_dir), gen, seed=self.args.seed + self.accelerator.process_index,
                                               threads=producer_threads())
 

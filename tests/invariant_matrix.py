@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from grpo.config import config_from_dict
-    from grpo.data import load_task_data
+    from grpo.data import load_data
     from grpo.policy import load_policy
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += [(name_of(r), r) for r in design()[0] if not r["async"]]
 
     base_cfg = config_from_dict(config_dict(BASE, world, 1, args.timeout), "matrix base")
-    data = load_task_data(base_cfg.data)
+    data = load_data(base_cfg)
     if rank == 0:  # one process builds the cached tiny model, the others then read it
         policy = load_policy(base_cfg, data, log=lambda *_: None)
     if world > 1:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import MICRO, REPO
+from tests.conftest import MICRO
 
 
 def grpo(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -55,7 +55,7 @@ def test_existing_run_directory_is_never_overwritten(tmp_path):
 
 
 def test_validate_prints_resolved_config(tmp_path):
-    result = grpo("validate", "--config", str(REPO / "configs" / "tiny.yaml"), "--set", "grpo.beta=0.1", cwd=tmp_path)
+    result = grpo("validate", "--config", "tiny", "--set", "grpo.beta=0.1", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "beta: 0.1" in result.stdout and "carry_error_rate: 0.6" in result.stdout
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import tomllib
+
 import pytest
 
-from grpo.config import ExperimentConfig, flatten, load_config, to_yaml
+from grpo.config import DEFAULTS_NOT_FROM_TINY, ExperimentConfig, flatten, load_config, preset_file, presets, to_yaml
 from grpo.errors import ConfigError
 from tests.conftest import REPO
 
@@ -20,17 +22,65 @@ def rejects(overrides: list[str], *fragments: str) -> str:
 
 
 def test_defaults_and_presets_load():
-    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    assert presets() == ["qwen2.5-0.5b-gsm8k", "tiny"] and presets("spaces") == ["tiny-lr-beta"]
+    cfg = load_config("tiny")
     assert cfg.model.is_tiny and cfg.data.synthetic
     assert cfg.grpo.reward_funcs == ["exact_match"]
     # The GPU preset is valid apart from needing vllm, which CPU machines never install.
-    gpu = load_config(REPO / "configs" / "qwen2.5-0.5b-gsm8k.yaml", ["grpo.use_vllm=false"])
+    gpu = load_config("qwen2.5-0.5b-gsm8k", ["grpo.use_vllm=false"])
     assert gpu.model.name_or_path == "Qwen/Qwen2.5-0.5B-Instruct" and gpu.data.prompt_format == "chat"
 
 
 def test_gpu_preset_without_vllm_is_rejected_at_load():
-    with pytest.raises(ConfigError, match=r"grpo.use_vllm: vllm is not installed; install the 'gpu' extra"):
-        load_config(REPO / "configs" / "qwen2.5-0.5b-gsm8k.yaml")
+    with pytest.raises(ConfigError, match=r"preset qwen2.5-0.5b-gsm8k: grpo.use_vllm: vllm is not installed; install "
+                                          r"the 'gpu' extra"):
+        load_config("qwen2.5-0.5b-gsm8k")
+
+
+def test_defaults_are_the_tiny_preset_except_the_listed_fields():
+    defaults, tiny = flatten(ExperimentConfig()), flatten(load_config("tiny"))
+    assert defaults.keys() == tiny.keys()
+    differ = {k for k in defaults if defaults[k] != tiny[k]}
+    assert differ == set(DEFAULTS_NOT_FROM_TINY), {k: (defaults[k], tiny[k]) for k in differ}
+
+
+def test_presets_are_package_data_not_files_of_the_source_tree(tmp_path, monkeypatch):
+    """Presets load by name from any working directory, read through importlib.resources from the installed
+    package; pyproject.toml ships them in the wheel (the wheel itself: tests/test_install.py)."""
+    from importlib import resources
+
+    monkeypatch.chdir(tmp_path)
+    for name in presets():
+        packaged = resources.files("grpo").joinpath("presets", f"{name}.yaml").read_text()
+        assert preset_file(name).read_text() == packaged
+        assert load_config(name, ["grpo.use_vllm=false"]).name == name
+    for package in ("grpo", "flows", "dashboards"):  # nothing reads files relative to the source tree
+        for source in (REPO / package).rglob("*.py"):
+            text = source.read_text()
+            assert "parent.parent" not in text and "parents[1]" not in text and '"configs"' not in text, source
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert pyproject["tool"]["setuptools"]["package-data"]["grpo"] == ["presets/*.yaml", "presets/spaces/*.yaml"]
+    # a file of that name wins over the preset; an unknown name lists the presets
+    (tmp_path / "tiny").write_text("name: mine\n")
+    assert load_config("tiny").name == "mine"
+    with pytest.raises(ConfigError, match=r"config file not found: tni; or a preset name: qwen2.5-0.5b-gsm8k, tiny"):
+        load_config("tni")
+
+
+def test_a_preset_replaces_the_form_default_and_refuses_a_changed_config():
+    """A deployment names a preset; a run that brings a config of its own must not silently train the preset."""
+    from grpo.config import resolve_config
+
+    tiny = load_config("tiny")
+    gpu = resolve_config(tiny, "qwen2.5-0.5b-gsm8k", ["grpo.use_vllm=false"])  # the form's default config: replaced
+    assert gpu.name == "qwen2.5-0.5b-gsm8k" and not gpu.grpo.use_vllm
+    assert resolve_config(tiny, "tiny", ["grpo.beta=0.1"]).grpo.beta == 0.1
+    changed = load_config("tiny", ["grpo.learning_rate=3e-4"])
+    with pytest.raises(ConfigError, match=r"preset: 'tiny' replaces the whole config, but a changed config was given"):
+        resolve_config(changed, "tiny")
+    assert resolve_config(changed, None) == changed
+    with pytest.raises(ConfigError, match=r"preset: unknown preset 'tni'; valid: qwen2.5-0.5b-gsm8k, tiny"):
+        resolve_config(tiny, "tni")
 
 
 def test_set_overrides_are_typed_and_nested():
@@ -62,9 +112,9 @@ def test_yaml_round_trip_and_flatten():
         (["grpo.learning_rate=-1"], ["grpo.learning_rate", "greater than 0"]),
         (["grpo.learning_rate=fast"], ["grpo.learning_rate", "valid number"]),
         (["grpo.num_generations=1"], ["grpo.num_generations", "greater than or equal to 2"]),
-        (["grpo.num_generations=3"], ["divisible by grpo.num_generations (3)", "valid num_generations: [2, 4, 8, 16, 32]"]),
+        (["grpo.num_generations=3"], ["divisible by grpo.num_generations (3)", "valid num_generations: [2, 4, 8, 16, 32, 64, 128, 256]"]),
         (["grpo.generation_batch_size=64", "grpo.steps_per_generation=2"], ["can not both be set"]),
-        (["grpo.generation_batch_size=48"], ["generation_batch_size (48) must be divisible by the global batch", "= 32"]),
+        (["grpo.generation_batch_size=48"], ["generation_batch_size (48) must be divisible by the global batch", "= 256"]),
         (["grpo.num_generations_chunks=3"], ["grpo.num_generations_chunks (3)", "valid: [1, 2, 4, 8]"]),
         (["grpo.epsilon_high=0.1"], ["grpo.epsilon_high (0.1) must be >= grpo.epsilon (0.2)"]),
         (["grpo.loss_type=luspo"], ["requires grpo.importance_sampling_level: sequence"]),

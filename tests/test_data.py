@@ -1,14 +1,20 @@
-"""Data sources: the synthetic task, local files with column mapping, and the errors for bad sources."""
+"""Data sources through the one reader (``grpo.data.load_data``, the prep stage's cached output): the synthetic task,
+local files with column mapping, hub layouts, the errors for bad sources, and ``grpo plan`` planning over exactly
+the rows a run trains on."""
 
 from __future__ import annotations
 
 import json
 
+import datasets
+import pyarrow.parquet as pq
 import pytest
 
 from grpo.config import load_config
-from grpo.data import alphabet_of, load_task_data
+from grpo.cache_dirs import prep_dir_for
+from grpo.data import alphabet_of, load_data
 from grpo.errors import DataError
+from grpo.prep import load_prepared
 from grpo.tasks import addition_problems, flawed_addition_demonstrations
 
 
@@ -46,7 +52,7 @@ def test_local_jsonl_with_column_mapping_and_answer_regex(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows))
     cfg = load_config(None, [f"data.source={path}", "data.prompt_column=question", "data.answer_column=solution",
                              "data.answer_regex='#### (.*)'", "data.eval_fraction=0.25"])
-    ds = load_task_data(cfg.data)
+    ds = load_data(cfg)
     assert len(ds["train"]) == 15 and len(ds["eval"]) == 5
     row = ds["train"][0]
     assert row["prompt"] == f"q{row['id']}?" and row["answer"] == str(row["id"])
@@ -58,7 +64,7 @@ def test_local_csv_chat_format(tmp_path):
     path.write_text("prompt,answer\n" + "\n".join(f"what is {i}?,{i}" for i in range(10)))
     cfg = load_config(None, [f"data.source={path}", "data.prompt_format=chat", "data.system_prompt=Be brief.",
                              "model.name_or_path=some/model"])
-    row = load_task_data(cfg.data)["train"][0]
+    row = load_data(cfg)["train"][0]
     assert row["prompt"][0] == {"role": "system", "content": "Be brief."}
     assert row["prompt"][1]["role"] == "user"
 
@@ -68,7 +74,7 @@ def test_missing_columns_are_named(tmp_path):
     path.write_text("\n".join(json.dumps({"q": str(i), "a": str(i)}) for i in range(5)))
     cfg = load_config(None, [f"data.source={path}"])
     with pytest.raises(DataError, match=r"no column\(s\) \['prompt', 'answer'\]; available: \['q', 'a'\]"):
-        load_task_data(cfg.data)
+        load_data(cfg)
 
 
 def test_unreadable_or_tiny_file(tmp_path):
@@ -76,14 +82,68 @@ def test_unreadable_or_tiny_file(tmp_path):
     path.write_text(json.dumps({"prompt": "a", "answer": "b"}))
     cfg = load_config(None, [f"data.source={path}"])
     with pytest.raises(DataError, match="needs at least 2 rows"):
-        load_task_data(cfg.data)
+        load_data(cfg)
     broken = tmp_path / "broken.parquet"
     broken.write_text("not parquet")
     cfg = load_config(None, [f"data.source={broken}"])
     with pytest.raises(DataError, match="could not be read"):
-        load_task_data(cfg.data)
+        load_data(cfg)
 
 
 def test_alphabet_covers_prompts_and_answers():
     ds = addition_problems(200, 20, seed=0)
     assert alphabet_of(ds) == "+0123456789="
+
+
+def test_hub_sources_that_fail_name_the_source_and_the_splits(tmp_path):
+    cfg = load_config(None, ["data.source=hub:no-such-org/no-such-dataset"])
+    with pytest.raises(DataError, match=r"data.source 'hub:no-such-org/no-such-dataset': could not load from the hub"):
+        load_data(cfg)
+    repo = tmp_path / "org" / "qa"  # the hub's layout in a local folder, read by the real load_dataset offline
+    repo.mkdir(parents=True)
+    for split in ("train", "test"):
+        datasets.Dataset.from_dict({"prompt": ["a", "b"], "answer": ["1", "2"]}).to_parquet(repo / f"{split}.parquet")
+    cfg = load_config(None, [f"data.source=hub:{repo}", "data.eval_split=validation"])
+    with pytest.raises(DataError, match=r"no split\(s\) \['validation'\]; available: \['train', 'test'\]"):
+        load_data(cfg)
+
+
+def test_plan_uses_exactly_the_prepared_train_rows_a_run_trains_on(tmp_path):
+    """``grpo plan`` plans over the prep stage's train rows (bad and duplicate rows quarantined, prep's split and
+    order), not a second reading of the file: every prompt index of the plan points at the prompt whose length it
+    recorded, and each prompt's length is unique, so a different row order or count would not match."""
+    from typer.testing import CliRunner
+
+    from grpo.cli import app
+    from tests.conftest import MICRO, micro_overrides
+
+    good = [{"prompt": "q" + "x" * i + "?", "answer": str(i)} for i in range(40)]
+    lines = [json.dumps(r) for r in good]
+    lines.insert(2, json.dumps({"prompt": "q" + "y" * 60, "answer": " "}))  # answer_empty
+    lines.insert(5, "{not json")  # malformed_record
+    lines.insert(9, json.dumps(good[3]))  # duplicate_prompt
+    path = tmp_path / "qa.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    overrides = micro_overrides(tmp_path / "runs", **{"data.source": path})
+    out = tmp_path / "plan"
+    result = CliRunner().invoke(app, ["plan", "--config", str(MICRO), *(a for o in overrides for a in ("--set", o)),
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+
+    cfg = load_config(MICRO, overrides)
+    prep_dir = prep_dir_for(cfg)  # where `grpo run` (either path) reads its data from
+    train = load_prepared(prep_dir)["train"]
+    assert load_data(cfg)["train"].to_list() == train.to_list()
+    stats = json.loads((prep_dir / "stats.json").read_text())
+    assert stats["rows_in"] == 43 and stats["rows_quarantined"] == 3
+    assert stats["rules"] == {"answer_empty": 1, "duplicate_prompt": 1, "malformed_record": 1}
+    assert f"3 quarantined (reasons in {prep_dir / 'quarantine.jsonl'})" in result.output
+    assert stats["splits"]["train"]["rows_valid"] == len(train)
+    assert all("y" not in p for p in train["prompt"])
+
+    summary = json.loads((out / "plan.json").read_text())
+    assert summary["dataset_size"] == len(train) == summary["unique_prompts_used"]
+    plan = pq.read_table(out / "plan.parquet", columns=["prompt_index", "prompt_tokens"]).to_pylist()
+    prompts = train["prompt"]
+    assert {r["prompt_index"] for r in plan} == set(range(len(train)))
+    assert all(r["prompt_tokens"] == len(prompts[r["prompt_index"]]) for r in plan)  # tiny model: one token a char

@@ -140,19 +140,27 @@ def test_resuming_onto_a_corrupt_checkpoint_falls_back_and_never_unfinishes_the_
     assert client.get_run(first["mlflow_run_id"]).info.status == "FINISHED"
 
 
-def test_summary_records_the_content_hash_of_the_data_trained_on(tmp_path):
-    """#12.4: under Prefect the prepared data lives in the shared prep cache, not in the run directory; the summary
-    reads the hash from the data directory the run recorded in inputs.json."""
-    from grpo.experiment import write_summary
-    from grpo.stages import prep_stage
-    from grpo.train import TrainResult
+@pytest.mark.integration
+def test_summary_names_the_data_trained_on_and_a_resume_refuses_changed_data(tmp_path):
+    """#11.1 / #12.4: the recipe records the content hash of the prepared data it trained on (it was null on every
+    path), prepared data lives in the shared content-addressed cache (the same place on every path), and a resume
+    whose source changed since the run started is refused before it trains on other rows."""
+    from grpo.errors import DataError
+    from grpo.experiment import run_experiment
 
-    cfg = load_config(MICRO, micro_overrides(tmp_path, **{"data.source": str(write_rows(tmp_path / "d.jsonl", 40))}))
-    prep = prep_stage(cfg, tmp_path / "cache" / "prepared" / "prep-abc")
+    source = write_rows(tmp_path / "d.jsonl", 40)
+    cfg = load_config(MICRO, micro_overrides(tmp_path, **{
+        "data.source": str(source), "grpo.max_steps": 2, "grpo.save_steps": 2, "evaluation.enabled": False}))
     run = open_run_dir(cfg, "hash", resume=False)
-    run.write_json("inputs.json", {"data_dir": prep["data_dir"], "plan_path": "unused"})
-    summary = write_summary(cfg, run, TrainResult(1, 0.1, None, [], []), None, None, "tiny", 1.0)
-    assert summary["data_content_hash"] == prep["content_hash"] and len(prep["content_hash"]) == 64
+    summary = run_experiment(cfg, run, log=lambda *_: None)
+    data_dir = Path(run.inputs()["data_dir"])
+    stats = json.loads((data_dir / "stats.json").read_text())
+    assert summary["data_content_hash"] == stats["content_hash"] and len(stats["content_hash"]) == 64
+    assert data_dir.parent.name == "prepared" and not (run.path / "data").exists()
+
+    write_rows(source, 44)  # the source changed since the run started
+    with pytest.raises(DataError, match="changed since run hash started"):
+        run_experiment(cfg, run, resume=True, log=lambda *_: None)
 
 
 # ---------------------------------------------------------------- errors a person can act on

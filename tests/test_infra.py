@@ -26,8 +26,7 @@ from tests.servers import BIN, PrefectServer, free_port
 
 INFRA = REPO / "infra"
 POOLS = INFRA / "work-pools"
-TINY = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
-GPU_PRESET = yaml.safe_load((REPO / "configs" / "qwen2.5-0.5b-gsm8k.yaml").read_text())
+DEPLOYMENT_PRESETS = {"default": "tiny", "gpu": "qwen2.5-0.5b-gsm8k", "nightly": "tiny"}
 
 
 def prefect_yaml() -> dict:
@@ -52,7 +51,7 @@ def flow_params(entrypoint: str) -> list[str]:
 def test_prefect_yaml_deployments_point_at_real_flows_pools_and_presets():
     from prefect.cli.deploy._models import PrefectYamlModel
 
-    from grpo.config import config_from_dict
+    from grpo.config import load_config, presets
     from grpo.serve import SWEEP_PARAMETERS
     from grpo.sweep_space import expand_space
 
@@ -64,21 +63,20 @@ def test_prefect_yaml_deployments_point_at_real_flows_pools_and_presets():
         assert d["entrypoint"] and d["work_pool"]["name"] and isinstance(d["parameters"], dict), name
         assert (POOLS / f"{d['work_pool']['name']}.json").is_file(), name
         assert set(d["parameters"]) <= set(flow_params(d["entrypoint"])), name
-        assert "config" in d["parameters"], name
+        # a deployment names a preset shipped in the package (no copy of its fields), and the preset loads
+        assert "config" not in d["parameters"] and d["parameters"]["preset"] == DEPLOYMENT_PRESETS[name], name
+        assert d["parameters"]["preset"] in presets(), name
+        load_config(d["parameters"]["preset"], ["grpo.use_vllm=false"])  # CPU machines never install vllm
 
     default, gpu, nightly = deployments["default"], deployments["gpu"], deployments["nightly"]
     assert default["entrypoint"] == gpu["entrypoint"] == "flows/pipeline.py:grpo_pipeline"
     assert (default["work_pool"]["name"], gpu["work_pool"]["name"]) == ("cpu-pool", "gpu-pool")
-    assert default["parameters"]["config"] == TINY  # the run form starts from configs/tiny.yaml
-    assert gpu["parameters"]["config"] == GPU_PRESET
-    config_from_dict(default["parameters"]["config"], "prefect.yaml default")
-    config_from_dict({**GPU_PRESET, "grpo": {**GPU_PRESET["grpo"], "use_vllm": False}}, "prefect.yaml gpu")
 
     assert nightly["entrypoint"] == "flows/sweep.py:grpo_sweep"
-    assert {"config", "space", "max_concurrency", "metric", "direction"} <= set(flow_params(nightly["entrypoint"]))
-    assert nightly["parameters"]["config"] == TINY
-    assert {k: v for k, v in nightly["parameters"].items() if k != "config"} == SWEEP_PARAMETERS  # = grpo serve's
-    trials = expand_space(config_from_dict(TINY), nightly["parameters"]["space"])
+    assert {"preset", "config", "space", "max_concurrency", "metric", "direction"} <= set(
+        flow_params(nightly["entrypoint"]))
+    assert {k: v for k, v in nightly["parameters"].items() if k != "preset"} == SWEEP_PARAMETERS  # = grpo serve's
+    trials = expand_space(load_config("tiny"), nightly["parameters"]["space"])
     assert len(trials) == 3
     [schedule] = model.deployments[2].schedules
     assert schedule.cron == "0 2 * * *" and schedule.timezone == "UTC"
@@ -257,7 +255,7 @@ def test_deploy_creates_pools_and_deployments_with_schedule(prefect_server, depl
 
     default = s.get("deployments/name/grpo-pipeline/default")
     assert default["work_pool_name"] == "cpu-pool" and default["entrypoint"] == "flows/pipeline.py:grpo_pipeline"
-    assert default["parameters"]["config"] == TINY and default["schedules"] == []
+    assert default["parameters"] == {"preset": "tiny", "resume": False} and default["schedules"] == []
     assert default["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
     schema = default["parameter_openapi_schema"]
     assert schema["properties"]["config"]["$ref"] == "#/definitions/ExperimentConfig"
@@ -273,7 +271,7 @@ def test_deploy_creates_pools_and_deployments_with_schedule(prefect_server, depl
     assert not undescribed, undescribed  # every form field says what it does
 
     gpu = s.get("deployments/name/grpo-pipeline/gpu")
-    assert gpu["work_pool_name"] == "gpu-pool" and gpu["parameters"]["config"] == GPU_PRESET
+    assert gpu["work_pool_name"] == "gpu-pool" and gpu["parameters"]["preset"] == "qwen2.5-0.5b-gsm8k"
     assert gpu["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == "{{ $GRPO_HOME }}"
 
     nightly = s.get("deployments/name/grpo-sweep/nightly")
@@ -281,7 +279,7 @@ def test_deploy_creates_pools_and_deployments_with_schedule(prefect_server, depl
     [schedule] = nightly["schedules"]
     assert schedule["active"] and schedule["schedule"]["cron"] == "0 2 * * *"
     assert schedule["schedule"]["timezone"] == "UTC"
-    assert set(nightly["parameters"]) == {"config", "space", "max_concurrency", "metric", "direction"}
+    assert set(nightly["parameters"]) == {"preset", "space", "max_concurrency", "metric", "direction"}
 
 
 @pytest.mark.integration
@@ -296,7 +294,8 @@ def test_process_worker_runs_a_pipeline_flow_run(prefect_server, deployed, tmp_p
                               "model.warm_start.steps=10"])
     deployment = s.get("deployments/name/grpo-pipeline/default")
     created = s.post(f"deployments/{deployment['id']}/create_flow_run",
-                     {"parameters": {"config": cfg.model_dump(mode="json", by_alias=True), "run_name": "by-worker"}})
+                     {"parameters": {"config": cfg.model_dump(mode="json", by_alias=True), "preset": None,
+                                     "run_name": "by-worker"}})  # preset None: this config, not the deployment's
     assert created.status_code == 201, created.text
     flow_run_id = created.json()["id"]
 
@@ -327,6 +326,7 @@ def test_grpo_serve_refuses_without_a_server(prefect_server, tmp_path):
 
 @pytest.mark.integration
 def test_grpo_serve_serves_pipeline_and_scheduled_sweep(prefect_server, tmp_path):
+    from grpo.config import load_config
     from grpo.serve import SWEEP_PARAMETERS
 
     s = prefect_server
@@ -348,7 +348,7 @@ def test_grpo_serve_serves_pipeline_and_scheduled_sweep(prefect_server, tmp_path
         assert "serving grpo-sweep/served, schedule 30 4 * * *" in log.read_text()
         assert "at most 1 flow run at once; later ones wait their turn (--limit)" in log.read_text()  # default
         assert pipeline["work_pool_name"] is None and pipeline["entrypoint"] == "flows.pipeline.grpo_pipeline"
-        assert pipeline["parameters"]["config"]["grpo"]["max_steps"] == TINY["grpo"]["max_steps"]
+        assert pipeline["parameters"]["config"] == load_config("tiny").model_dump(mode="json", by_alias=True)
         assert pipeline["schedules"] == []
         [schedule] = sweep["schedules"]
         assert schedule["schedule"]["cron"] == "30 4 * * *" and schedule["active"]
@@ -405,8 +405,8 @@ def test_sweep_triggered_through_the_api_runs_on_a_process_worker(prefect_server
     model_name = f"sweep-worker-{tmp_path.name}"
     nightly = s.get("deployments/name/grpo-sweep/nightly")
     created = s.post(f"deployments/{nightly['id']}/create_flow_run", {"parameters": {
-        "config": cfg.model_dump(mode="json", by_alias=True), "space": space, "max_concurrency": 2,
-        "sweep_name": "sw", "registered_model_name": model_name}})
+        "config": cfg.model_dump(mode="json", by_alias=True), "preset": None, "space": space, "max_concurrency": 2,
+        "sweep_name": "sw", "registered_model_name": model_name}})  # preset None: this config, not the deployment's
     assert created.status_code == 201, created.text
     flow_run_id = created.json()["id"]
     worker = s.run(str(BIN / "prefect"), "worker", "start", "--pool", "cpu-pool", "--run-once", "--name",

@@ -69,3 +69,28 @@ def test_every_install_path_uses_the_lock():
         text = (REPO / "infra" / "docker" / name).read_text()
         assert "infra/install.sh" in text and lock in text, name
 
+
+
+def test_the_wheel_ships_the_presets(tmp_path):
+    """Presets are package data (read with importlib.resources, never from the source tree): a wheel built from this
+    tree holds every experiment and space preset, so `--config tiny` works from an installed package."""
+    import shutil
+    import sys
+    import zipfile
+
+    from grpo.config import presets
+
+    src = tmp_path / "src"  # a copy: building in place would leave build/ and *.egg-info in the checkout
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for package in ("grpo", "flows", "dashboards"):
+        shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+                            "--no-index", "-q", "-w", str(tmp_path / "dist")], capture_output=True, text=True,
+                           timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    [wheel] = (tmp_path / "dist").glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"grpo/presets/{n}.yaml" for n in presets()} | {f"grpo/presets/spaces/{n}.yaml" for n in presets("spaces")}
+    assert len(expected) >= 3 and expected <= names, sorted(expected - names)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo.config import load_config
-from grpo.data import load_task_data
+from grpo.data import load_data
 from grpo.group_balancing import split_by_token_budget
 from grpo.policy import load_policy
 from grpo.rewards import get_reward
@@ -18,7 +18,7 @@ from trl.trainer.utils import split_tensor_dict
 
 def make_trainer(tmp_path, **extra) -> GRPOTrainer:
     cfg = load_config(MICRO, micro_overrides(tmp_path, **{"model.warm_start.steps": 200, **extra}))
-    data = load_task_data(cfg.data)
+    data = load_data(cfg)
     policy = load_policy(cfg, data, log=lambda *_: None)
     trainer = GRPOTrainer(model=policy.model, processing_class=policy.tokenizer,
                           reward_funcs=[get_reward(n) for n in cfg.grpo.reward_funcs],

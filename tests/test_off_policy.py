@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpo.config import load_config
-from grpo.data import load_task_data
+from grpo.data import load_data
 from grpo.experiment import run_experiment
 from grpo.policy import load_policy
 from grpo.rewards import get_reward
@@ -23,7 +23,7 @@ def trainer_with(tmp_path, mode: str, **extra) -> GRPOTrainer:
     cfg = load_config(MICRO, micro_overrides(tmp_path, **{
         "async.use_data_producer": "true", "async.vllm_importance_sampling_correction": "true",
         "async.vllm_importance_sampling_mode": mode, "async.vllm_importance_sampling_cap": 2.0, **extra}))
-    data = load_task_data(cfg.data)
+    data = load_data(cfg)
     policy = load_policy(cfg, data, log=lambda *_: None)
     return GRPOTrainer(model=policy.model, processing_class=policy.tokenizer, reward_funcs=[get_reward("exact_match")],
                        args=grpo_args(cfg, tmp_path / "out"), train_dataset=data["train"], experiment=cfg)

@@ -210,7 +210,7 @@ def grpo_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.integration
 def test_cli_plan_end_to_end_then_refuses_to_overwrite(tmp_path):
-    args = ["plan", "--config", str(Path(__file__).parent.parent / "configs" / "tiny.yaml"),
+    args = ["plan", "--config", "tiny",
             "--set", f"output_dir={tmp_path / 'runs'}", "--set", "data.num_train=300", "--set", "grpo.max_steps=20"]
     result = grpo_cli(*args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -227,7 +227,7 @@ def test_cli_plan_end_to_end_then_refuses_to_overwrite(tmp_path):
 
 
 def test_cli_plan_bad_input_is_one_line_exit_2(tmp_path):
-    tiny = str(Path(__file__).parent.parent / "configs" / "tiny.yaml")
+    tiny = "tiny"
     result = grpo_cli("plan", "--config", tiny, "--set", f"output_dir={tmp_path / 'runs'}", "--set", "sampling.drop_last=true",
                       "--set", "data.num_train=3", cwd=tmp_path)
     assert result.returncode == 2

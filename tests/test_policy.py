@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo.config import load_config
-from grpo.data import load_task_data
+from grpo.data import load_data
 from grpo.evaluation import evaluate_policy
 from grpo.policy import load_policy
 from grpo.rewards import exact_match
@@ -30,7 +30,7 @@ def test_tiny_policy_builds_offline_learns_format_and_is_cached(tmp_path):
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     cfg = load_config(None, ["data.num_train=800", "data.num_eval=100", "model.tiny.hidden_size=64",
                              "model.tiny.num_hidden_layers=2", "model.warm_start.steps=150"])
-    data = load_task_data(cfg.data)
+    data = load_data(cfg)
     first = load_policy(cfg, data, log=lambda *_: None)
     assert not first.cached and len(first.warm_start_losses) == 150
     assert first.warm_start_losses[-1] < first.warm_start_losses[0] * 0.7

@@ -214,7 +214,7 @@ def test_content_hash_is_deterministic_and_tracks_the_data(tmp_path):
     assert load_prepared(first.out_dir, verify=False)["train"].num_rows == table.num_rows
 
 
-def test_synthetic_source_preps_clean_and_matches_load_task_data(tmp_path):
+def test_synthetic_source_preps_clean_and_matches_the_generator(tmp_path):
     cfg = DataConfig(num_train=300, num_eval=40, seed=2)
     result = prepare_dataset(cfg, tmp_path / "out")
     assert result.stats["rows_quarantined"] == 0 and result.stats["rules"] == {}

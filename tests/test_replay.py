@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from grpo.config import load_config
-from grpo.data import load_task_data
+from grpo.data import load_data
 from grpo.policy import load_policy
 from grpo.replay import ReplayBuffer, RerollBuffer, group_advantages, inject_rerolls, place_group
 from grpo.rewards import get_reward, register_reward
@@ -81,7 +81,7 @@ def test_place_group_widens_the_batch():
 
 def make_trainer(tmp_path, **extra) -> GRPOTrainer:
     cfg = load_config(MICRO, micro_overrides(tmp_path, **{"grpo.reward_funcs": "[test_signal_if_even]", **extra}))
-    data = load_task_data(cfg.data)
+    data = load_data(cfg)
     policy = load_policy(cfg, data, log=lambda *_: None)
     trainer = GRPOTrainer(model=policy.model, processing_class=policy.tokenizer,
                           reward_funcs=[get_reward(n) for n in cfg.grpo.reward_funcs],

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo.config import load_config
-from grpo.data import load_task_data
+from grpo.data import load_data
 from grpo.policy import load_policy
 from grpo.rewards import get_reward, load_reward_module
 from grpo.train import grpo_args
@@ -40,7 +40,7 @@ def test_trainer_scores_through_the_pool_and_survives_bad_rewards(tmp_path):
     load_reward_module(module)
     cfg = load_config(MICRO, micro_overrides(tmp_path, **{
         "grpo.reward_funcs": "[pool_test_reward]", "async.reward_num_workers": 2, "async.reward_timeout": 3}))
-    data = load_task_data(cfg.data)
+    data = load_data(cfg)
     policy = load_policy(cfg, data, log=lambda *_: None)
     trainer = GRPOTrainer(model=policy.model, processing_class=policy.tokenizer,
                           reward_funcs=[get_reward("pool_test_reward")], args=grpo_args(cfg, tmp_path / "out"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo.config import load_config
-from grpo.data import load_task_data
+from grpo.data import load_data
 from grpo.errors import ConfigError
 from grpo.policy import load_policy
 from grpo.rewards import get_reward, load_reward_module
@@ -25,7 +25,7 @@ def varied_reward(prompts, completions, **kwargs):
 
 def make_trainer(tmp_path, reward_funcs, **overrides) -> GRPOTrainer:
     cfg = load_config(MICRO, micro_overrides(tmp_path, **overrides))
-    data = load_task_data(cfg.data)
+    data = load_data(cfg)
     policy = load_policy(cfg, data, log=lambda *_: None)
     trainer = GRPOTrainer(model=policy.model, processing_class=policy.tokenizer, reward_funcs=reward_funcs,
                           args=grpo_args(cfg, tmp_path / "out"), train_dataset=data["train"], experiment=cfg)

@@ -179,10 +179,8 @@ def test_sweep_via_deployment_creates_linked_flow_runs(tmp_path, prefect_server,
 
 
 def test_the_shipped_example_space_expands():
-    from tests.conftest import REPO
-
-    space = load_space(REPO / "configs" / "spaces" / "tiny-lr-beta.yaml")
-    trials = expand_space(load_config(REPO / "configs" / "tiny.yaml"), space)
+    space = load_space("tiny-lr-beta")
+    trials = expand_space(load_config("tiny"), space)
     assert len(trials) == 4 and {o["grpo.learning_rate"] for o, _ in trials} == {1e-4, 3e-4}
     assert all(0.0 <= o["grpo.beta"] <= 0.04 for o, _ in trials)
 

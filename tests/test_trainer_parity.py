@@ -10,12 +10,11 @@ import trl
 from transformers import set_seed
 
 from grpo.config import load_config
-from grpo.data import load_task_data
+from grpo.data import load_data
 from grpo.policy import load_policy
 from grpo.rewards import get_reward
 from grpo.train import grpo_args
 from grpo.trainer import GRPOTrainer
-from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
 
@@ -55,11 +54,11 @@ def _train(trainer_cls, model, tokenizer, data, cfg, out):
 
 
 def test_same_losses_and_weights_as_stock_trl(tmp_path):
-    cfg = load_config(REPO / "configs" / "tiny.yaml", [
+    cfg = load_config("tiny", [
         f"output_dir={tmp_path}", "grpo.max_steps=4", "grpo.logging_steps=1", "grpo.per_device_train_batch_size=32",
         "grpo.steps_per_generation=2", "grpo.num_iterations=2",
     ])
-    data = load_task_data(cfg.data)
+    data = load_data(cfg)
     policy = load_policy(cfg, data, log=lambda *_: None)
     ours = _train(CountingTrainer, copy.deepcopy(policy.model), policy.tokenizer, data, cfg, tmp_path / "ours")
     stock = _train(trl.GRPOTrainer, copy.deepcopy(policy.model), policy.tokenizer, data, cfg, tmp_path / "trl")

@@ -16,7 +16,7 @@ from grpo.prep import load_prepared
 from grpo.plan import read_plan_indices
 from grpo.experiment import run_experiment
 from grpo.runs import RunDir, open_run_dir
-from tests.conftest import MICRO, REPO, micro_overrides, recorded_calls, write_prompt_recorder
+from tests.conftest import MICRO, micro_overrides, recorded_calls, write_prompt_recorder
 
 pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
 
@@ -28,7 +28,7 @@ def read_metrics(run: RunDir) -> list[dict]:
 
 def test_default_task_mean_reward_rises(tmp_path):
     """The default preset, shortened: GRPO on exact-answer reward raises the mean reward of sampled completions."""
-    cfg = load_config(REPO / "configs" / "tiny.yaml", [
+    cfg = load_config("tiny", [
         f"output_dir={tmp_path}", "grpo.max_steps=120", "grpo.logging_steps=10", "grpo.save_steps=1000",
         "evaluation.num_prompts=200", "evaluation.pass_k=0",
     ])
