@@ -1,4 +1,4 @@
-"""Speed and quality of grpo.balance, next to a plain pure-Python Karmarkar-Karp measured in the same run.
+"""Speed and quality of grpo.algo.balance, next to a plain pure-Python Karmarkar-Karp measured in the same run.
 
 Speed: n=8192 lengths into k=64 partitions (median of several runs, ms). Quality: 64 GRPO groups of 8 completions
 (prompt 32 tokens, completion lengths lognormal(mu=5, sigma=1)) over 8 ranks, 50 seeded trials, mean max/mean rank
@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from benchmarks._sizes import size
-from grpo import balance
+from grpo.algo import balance
 
 N_ITEMS, K_PARTS = 8192, 64
 GROUPS, GENERATIONS, RANKS, TRIALS, PROMPT_LEN = 64, 8, 8, 50, 32

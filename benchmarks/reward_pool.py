@@ -1,4 +1,4 @@
-"""Throughput of a CPU-bound pure-Python reward: in-process (serial) vs grpo.reward_pool with 2 workers, same run.
+"""Throughput of a CPU-bound pure-Python reward: in-process (serial) vs grpo.rewards.pool with 2 workers, same run.
 
 Each batch is 512 completions (64 GRPO groups of 8); the reward spends ~2 ms of integer arithmetic per completion, so
 one batch is ~1 s serially. Serial and pool batches alternate (so background load hits both alike) after one untimed
@@ -17,7 +17,7 @@ import time
 import psutil
 
 from benchmarks._sizes import size
-from grpo.reward_pool import RewardWorkerPool
+from grpo.rewards.pool import RewardWorkerPool
 
 COMPLETIONS, GROUP_SIZE, BATCHES, WORKERS = 512, 8, 4, 2
 ITERATIONS = 28_000  # ~2 ms per completion on a 2020s x86 core

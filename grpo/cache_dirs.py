@@ -23,7 +23,7 @@ from grpo.policy import cache_root
 
 # The modules whose source is part of each stage's key (imported lazily: grpo.stages imports this module).
 PREP_CODE = ("grpo.prep", "grpo.tasks", "grpo.stages")
-PLAN_CODE = ("grpo.plan", "grpo.batch_layout", "grpo.stages")
+PLAN_CODE = ("grpo.plan", "grpo.algo.batch_layout", "grpo.stages")
 
 
 def _code_hash(modules: tuple[str, ...]) -> str:

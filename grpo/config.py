@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from grpo.batch_layout import BatchLayout, batch_layout
+from grpo.algo.batch_layout import BatchLayout, batch_layout
 from grpo.errors import ConfigError
 
 LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
@@ -525,7 +525,7 @@ class ExperimentConfig(_Section):
             raise ValueError(
                 f"sampling.sequence_parallel_degree={s.sequence_parallel_degree}: sequence-parallel attention "
                 "(ring/Ulysses) is not available in this backend (trl.GRPOTrainer rejects cp/sp > 1; CPU has no "
-                "kernels); use 1. The sampler layout for it is in grpo/sampling.py"
+                "kernels); use 1. The sampler layout for it is in grpo/algo/sampling.py"
             )
         if s.world_size > 1:
             per_rank = layout.completions_per_rank

@@ -3,8 +3,8 @@
 A plan answers "which prompt does SP group g see in generation round r, and at which optimizer step" for every
 round of the run, and fails early when the config does not fit the dataset (batch arithmetic that does not
 divide, a dataset smaller than one round with ``drop_last``). It is the schedule of
-:class:`grpo.sampling.SequenceParallelRepeatRandomSampler` with TRL's step arithmetic (derived once, in
-:mod:`grpo.batch_layout`):
+:class:`grpo.algo.sampling.SequenceParallelRepeatRandomSampler` with TRL's step arithmetic (derived once, in
+:mod:`grpo.algo.batch_layout`):
 
 * ``steps_per_generation`` is ``grpo.steps_per_generation``, else ``generation_batch_size //
   (per_device_train_batch_size * world_size)`` when that is set, else ``gradient_accumulation_steps`` (TRL's);
@@ -38,7 +38,7 @@ from torch.utils.data import Sampler
 
 from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError, DataError, GRPOPlatformError
-from grpo.sampling import sp_group_of
+from grpo.algo.sampling import sp_group_of
 
 __all__ = [
     "PLAN_FILE",
@@ -441,7 +441,7 @@ class _LoadStats:
 
 def _balanced_ratio(workload: np.ndarray, groups: int) -> float:
     """Max/mean SP-group load after the trainer's group-level balancing (equal prompt counts per SP group)."""
-    from grpo.balance import balance_groups
+    from grpo.algo.balance import balance_groups
 
     parts = balance_groups(workload, groups, equal_count=True)
     return float(_max_over_mean(np.array([workload[p].sum() for p in parts])))

@@ -23,15 +23,29 @@ from transformers import TrainerCallback
 from torch.utils.data import Sampler
 from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-from grpo.batch_layout import BatchLayout
+from grpo.algo.batch_layout import BatchLayout
+from grpo.algo.group_balancing import BALANCED_ROWS, rebalance_groups, split_by_token_budget
+from grpo.algo.sampling import SequenceParallelRepeatRandomSampler
 from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError
-from grpo.group_balancing import BALANCED_ROWS, rebalance_groups, split_by_token_budget
 from grpo.plan import PlanSampler
 from grpo.replay import ReplayBuffer, RerollBuffer, group_advantages, group_reward_std, inject_rerolls, place_group
-from grpo.sampling import SequenceParallelRepeatRandomSampler
 
 TESTED_TRL_VERSION = "1.16.0"
+
+# Every method of trl.GRPOTrainer this class overrides, and why. tests/test_layers.py checks the list against the
+# class (an override missing here fails) and against the pinned TRL (a hook renamed or re-signed upstream fails).
+TRL_HOOKS: dict[str, str] = {
+    "__init__": "wires the plan sampler, replay/re-roll buffers, the async producer and the reward pool",
+    "_get_train_sampler": "the sampler plan (plan.parquet) or the sequence-parallel repeat sampler",
+    "get_train_dataloader": "keeps accelerate from sharding the rank-aware sampler's batches a second time",
+    "_prepare_inputs": "TRL's schedule split in two: assemble a generation batch (re-rolls, replay, off-policy), then split it (balancing)",
+    "_generate_single_turn": "async rollouts: completions produced ahead by the producer thread",
+    "_generate": "starts streaming reward scoring while the log-prob passes run",
+    "_calculate_rewards": "the persistent reward pool / streamed rewards instead of in-process calls",
+    "_compute_loss": "zero-advantage skip, balanced micro-batch weights and chunked backward",
+    "get_high_entropy_mask": "the entropy quantile over chunks, equal to the unchunked mask",
+}
 
 
 class GRPOTrainer(trl.GRPOTrainer):
@@ -61,7 +75,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._last_rewards_per_func: torch.Tensor | None = None
         self._reward_pool = None
         if a is not None and a.reward_num_workers > 1:
-            from grpo.reward_pool import RewardWorkerPool
+            from grpo.rewards.pool import RewardWorkerPool
 
             # Functions are pickled (by reference) and sent once now; an unpicklable one fails here, not mid-run.
             self._reward_pool = RewardWorkerPool(self.reward_funcs, a.reward_num_workers, timeout=a.reward_timeout)
@@ -367,7 +381,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         return out
 
     def _start_streaming(self, inputs, prompts, completions, completion_ids):
-        from grpo.streaming_rewards import StreamingScorer, chunk_bounds, score_in_process
+        from grpo.rewards.streaming import StreamingScorer, chunk_bounds, score_in_process
 
         columns = _reward_columns(inputs)
         pool, errors = self._reward_pool, []
@@ -711,7 +725,7 @@ def check_launch_matches_config(experiment: ExperimentConfig, launched: int) -> 
             f"sampling.sequence_parallel_degree={sampling.sequence_parallel_degree} needs sequence-parallel "
             "attention (ring/Ulysses context parallelism on GPUs), which this backend does not provide: "
             "trl.GRPOTrainer rejects cp_size/sp_size > 1 and CPU training has no such kernels. Use 1; the sampler "
-            "layout itself (grpo.sampling.SequenceParallelRepeatRandomSampler) is ready for a GPU backend."
+            "layout itself (grpo.algo.sampling.SequenceParallelRepeatRandomSampler) is ready for a GPU backend."
         )
 
 

@@ -2,7 +2,7 @@
 it) and a Prefect server with its own PREFECT_HOME.
 
 ``tests/conftest.py`` registers this module as a plugin, so every test module shares one server per session. The
-server is killed at the end of the session, and with the test process if that is killed (grpo.procguard); tests
+server is killed at the end of the session, and with the test process if that is killed (grpo.app.procguard); tests
 may kill and restart it (same port, same store) to simulate an outage.
 """
 
@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 import pytest
 import requests
 
-from grpo.procguard import die_with_parent, guarded_command
-from grpo.ui import wait_healthy
+from grpo.app.procguard import die_with_parent, guarded_command
+from grpo.app.ui import wait_healthy
 
 
 def free_port() -> int:

@@ -64,7 +64,7 @@ def test_two_process_async_training_neither_hangs_nor_shares_data(tmp_path):
     recorder = write_prompt_recorder(tmp_path)
     log = tmp_path / "prompts.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
-           "-m", "grpo.cli", "run", "--config", str(MICRO), "--run-name", "async-ddp", "--reward-module",
+           "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "async-ddp", "--reward-module",
            str(recorder)]
     for item in micro_overrides(tmp_path, **{
             "sampling.world_size": 2, "async.use_data_producer": "true", "async.async_prefetch": "true",

@@ -1,4 +1,4 @@
-"""grpo.balance: partitions are valid, KK and LPT match textbook references, the combined balancer is never worse
+"""grpo.algo.balance: partitions are valid, KK and LPT match textbook references, the combined balancer is never worse
 than either and close to the brute-force optimum, and the GRPO-level helpers keep their contracts."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo import balance
-from grpo.balance import (
+from grpo.algo import balance
+from grpo.algo.balance import (
     balance_groups,
     balanced_micro_batches,
     get_seqlen_balanced_partitions,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.batch_layout import BatchLayout
+from grpo.algo.batch_layout import BatchLayout
 from grpo.cache_dirs import plan_dir_for
 from grpo.config import load_config
 from grpo.plan import plan_spec

@@ -13,7 +13,7 @@ from tests.conftest import MICRO
 
 
 def grpo(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo.cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "grpo.app.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=120)
 
 
@@ -74,7 +74,7 @@ def test_missing_reward_module_from_the_environment_is_one_line_exit_2(tmp_path)
     """GRPO_REWARD_MODULES (how workers get custom rewards) names itself when a listed file is missing."""
     import os
 
-    result = subprocess.run([sys.executable, "-m", "grpo.cli", "validate", "--config", str(MICRO)], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-m", "grpo.app.cli", "validate", "--config", str(MICRO)], cwd=tmp_path,
                             capture_output=True, text=True, timeout=120,
                             env={**os.environ, "GRPO_REWARD_MODULES": str(tmp_path / "gone.py")})
     lines = result.stderr.strip().splitlines()
@@ -86,7 +86,7 @@ def test_missing_reward_module_from_the_environment_is_one_line_exit_2(tmp_path)
 @pytest.mark.parametrize("command", ["run", "plan", "validate", "sweep", "serve", "deploy", "dashboard", "ui"])
 def test_help_reads_as_a_person_expects(command):
     """Flags show no value type (typer printed `--resume <bool>`), list options a metavar, no reST markup."""
-    result = subprocess.run([sys.executable, "-m", "grpo.cli", command, "--help"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "grpo.app.cli", command, "--help"], capture_output=True, text=True,
                             timeout=120, env={**os.environ, "COLUMNS": "150"})
     assert result.returncode == 0, result.stderr
     out = result.stdout

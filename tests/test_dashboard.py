@@ -185,7 +185,7 @@ def test_log_dashboard_uploads_to_the_sweep_run(tmp_path, mlflow_server, experim
 
 
 def test_cli(tmp_path, mlflow_server, experiment):
-    from grpo.cli import app
+    from grpo.app.cli import app
 
     runner = CliRunner()
     out = tmp_path / "cli.html"

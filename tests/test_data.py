@@ -114,7 +114,7 @@ def test_plan_uses_exactly_the_prepared_train_rows_a_run_trains_on(tmp_path):
     recorded, and each prompt's length is unique, so a different row order or count would not match."""
     from typer.testing import CliRunner
 
-    from grpo.cli import app
+    from grpo.app.cli import app
     from tests.conftest import MICRO, micro_overrides
 
     good = [{"prompt": "q" + "x" * i + "?", "answer": str(i)} for i in range(40)]

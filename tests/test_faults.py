@@ -27,7 +27,7 @@ def write_rows(path: Path, n: int, changed: dict[int, str] | None = None) -> Pat
 
 
 def grpo_cli(*args: str, cwd: Path, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo.cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "grpo.app.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **env})
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo.group_balancing import split_by_token_budget
+from grpo.algo.group_balancing import split_by_token_budget
 
 
 def make_batch(completion_lengths: list[int], width: int = 6) -> dict:

@@ -52,7 +52,7 @@ def test_prefect_yaml_deployments_point_at_real_flows_pools_and_presets():
     from prefect.cli.deploy._models import PrefectYamlModel
 
     from grpo.config import load_config, presets
-    from grpo.serve import SWEEP_PARAMETERS
+    from grpo.app.serve import SWEEP_PARAMETERS
     from grpo.sweep_space import expand_space
 
     data = prefect_yaml()
@@ -191,7 +191,7 @@ def test_accelerate_configs_load_as_accelerate_launch_reads_them():
         path = str(INFRA / "accelerate" / f"{name}.yaml")
         config = load_config_from_file(path)
         assert config.num_processes == 2 and config.mixed_precision == "bf16" and not config.use_cpu
-        args, _, _ = _validate_launch_command(parser.parse_args(["--config_file", path, "-m", "grpo.cli", "run"]))
+        args, _, _ = _validate_launch_command(parser.parse_args(["--config_file", path, "-m", "grpo.app.cli", "run"]))
         envs[name] = prepare_multi_gpu_env(args)
     assert "ACCELERATE_USE_FSDP" not in envs["ddp"] and envs["ddp"]["ACCELERATE_MIXED_PRECISION"] == "bf16"
     fsdp = envs["fsdp"]
@@ -327,7 +327,7 @@ def test_grpo_serve_refuses_without_a_server(prefect_server, tmp_path):
 @pytest.mark.integration
 def test_grpo_serve_serves_pipeline_and_scheduled_sweep(prefect_server, tmp_path):
     from grpo.config import load_config
-    from grpo.serve import SWEEP_PARAMETERS
+    from grpo.app.serve import SWEEP_PARAMETERS
 
     s = prefect_server
     log = tmp_path / "serve.log"

@@ -7,7 +7,7 @@ import torch
 
 from grpo.config import load_config
 from grpo.data import load_data
-from grpo.group_balancing import split_by_token_budget
+from grpo.algo.group_balancing import split_by_token_budget
 from grpo.policy import load_policy
 from grpo.rewards import get_reward
 from grpo.train import grpo_args

@@ -25,7 +25,7 @@ def test_torchrun_ranks_train_on_disjoint_prompts(tmp_path, nproc):
         "evaluation.num_prompts": 16, "evaluation.pass_k": 0,
     })
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(29530 + nproc),
-           "-m", "grpo.cli", "run", "--config", str(MICRO), "--run-name", "ddp", "--reward-module", str(module)]
+           "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "ddp", "--reward-module", str(module)]
     for item in overrides:
         cmd += ["--set", item]
     env = {**os.environ, "PROMPT_LOG": str(log), "OMP_NUM_THREADS": "1"}
@@ -55,7 +55,7 @@ def test_torchrun_ranks_train_on_disjoint_prompts(tmp_path, nproc):
 
 def test_world_size_must_match_launch(tmp_path):
     """A config for 2 ranks launched as 1 process is refused with a clear message before training."""
-    cmd = [sys.executable, "-m", "grpo.cli", "run", "--config", str(MICRO), "--run-name", "mismatch"]
+    cmd = [sys.executable, "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "mismatch"]
     for item in micro_overrides(tmp_path, **{"sampling.world_size": 2, "evaluation.enabled": "false"}):
         cmd += ["--set", item]
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -76,7 +76,7 @@ def test_torchrun_seqlen_balancing_exchanges_groups_and_logs_balance(tmp_path, m
         "async.skip_zero_advantage_batches": "true",
     })
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29534",
-           "-m", "grpo.cli", "run", "--config", str(MICRO), "--run-name", "balanced"]
+           "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "balanced"]
     for item in overrides:
         cmd += ["--set", item]
     result = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
@@ -106,7 +106,7 @@ def test_torchrun_seqlen_balancing_exchanges_groups_and_logs_balance(tmp_path, m
 SP_SCRIPT = """
 import json, sys
 import torch.distributed as dist
-from grpo.sampling import SequenceParallelRepeatRandomSampler
+from grpo.algo.sampling import SequenceParallelRepeatRandomSampler
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -156,7 +156,7 @@ def test_two_nodes_c10d_rendezvous_with_the_toolkit(tmp_path):
     })
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:29547", "--rdzv_id", "two-nodes",
-           "-m", "grpo.cli", "run", "--config", str(MICRO), "--run-name", "two-nodes"]
+           "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "two-nodes"]
     for item in overrides:
         cmd += ["--set", item]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

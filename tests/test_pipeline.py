@@ -144,7 +144,7 @@ def test_prep_and_plan_are_cached_across_runs(tmp_path, prefect_server, mlflow_s
 
 
 def run_cli(args: list[str], cwd: Path, env: dict, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "grpo.cli", "run", "--config", str(MICRO), *args], cwd=cwd,
+    return subprocess.Popen([sys.executable, "-m", "grpo.app.cli", "run", "--config", str(MICRO), *args], cwd=cwd,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 

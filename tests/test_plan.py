@@ -24,7 +24,7 @@ from grpo import plan
 from grpo.config import load_config
 from grpo.errors import ConfigError, DataError, GRPOPlatformError
 from grpo.plan import PlanExistsError, PlanSampler, build_plan, plan_spec, read_plan_indices
-from grpo.sampling import SequenceParallelRepeatRandomSampler
+from grpo.algo.sampling import SequenceParallelRepeatRandomSampler
 
 BASE = load_config(None, [])
 
@@ -204,7 +204,7 @@ def test_existing_plan_needs_overwrite_and_readers_validate(tmp_path):
 
 
 def grpo_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo.cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "grpo.app.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=120)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from grpo.reward_pool import RewardWorkerPool
+from grpo.rewards.pool import RewardWorkerPool
 from grpo.rewards import exact_match, load_reward_module
 
 # ----- reward functions: module level, so spawned workers import them by name ------------------------------------
@@ -259,7 +259,7 @@ def test_workers_exit_when_the_trainer_process_dies(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(textwrap.dedent("""
         import os, threading, time
-        from grpo.reward_pool import RewardWorkerPool
+        from grpo.rewards.pool import RewardWorkerPool
 
         def sleepy(completions, **kwargs):
             time.sleep(600)

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trl.trainer.utils import RepeatSampler
 
-from grpo import sampling
-from grpo.sampling import SequenceParallelRepeatRandomSampler as Sampler
-from grpo.sampling import sp_group_of
+from grpo.algo import sampling
+from grpo.algo.sampling import SequenceParallelRepeatRandomSampler as Sampler
+from grpo.algo.sampling import sp_group_of
 
 FAST = settings(max_examples=60, deadline=None)
 

@@ -139,7 +139,7 @@ def _start_run(tmp_path: Path, mlflow_uri: str, name: str) -> tuple[subprocess.P
     sets = [f"output_dir={tmp_path}", "grpo.max_steps=400", "grpo.logging_steps=1", "grpo.save_steps=4",
             "tracking.backend=mlflow", f"tracking.tracking_uri={mlflow_uri}", "tracking.experiment_name=signals",
             "tracking.log_system_metrics=false", "evaluation.before_training=false", "model.warm_start.steps=10"]
-    args = [sys.executable, "-m", "grpo.cli", "run", "--config", str(MICRO), "--run-name", name]
+    args = [sys.executable, "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", name]
     for s in sets:
         args += ["--set", s]
     log = (tmp_path / f"{name}.out").open("w")

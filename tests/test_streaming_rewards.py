@@ -12,7 +12,7 @@ from grpo.data import load_data
 from grpo.errors import ConfigError
 from grpo.policy import load_policy
 from grpo.rewards import get_reward, load_reward_module
-from grpo.streaming_rewards import chunk_bounds
+from grpo.rewards.streaming import chunk_bounds
 from grpo.train import grpo_args
 from grpo.trainer import GRPOTrainer
 from tests.conftest import MICRO, micro_overrides

@@ -115,7 +115,7 @@ def test_load_space_yaml_and_json(tmp_path, base):
 ])
 def test_cli_bad_space_is_one_line_exit_2(tmp_path, space_text, fragment):
     (tmp_path / "space.yaml").write_text(space_text)
-    result = subprocess.run([sys.executable, "-m", "grpo.cli", "sweep", "--config", str(MICRO), "--space",
+    result = subprocess.run([sys.executable, "-m", "grpo.app.cli", "sweep", "--config", str(MICRO), "--space",
                              str(tmp_path / "space.yaml"), "--set", f"output_dir={tmp_path / 'runs'}"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
@@ -192,7 +192,7 @@ def test_cli_sweep_prints_the_parent_run_and_the_dashboard(tmp_path, mlflow_serv
     sets = [f"output_dir={tmp_path / 'runs'}", "tracking.backend=mlflow", "grpo.max_steps=2", "grpo.save_steps=100", "evaluation.enabled=false",
             f"tracking.tracking_uri={mlflow_server.uri}", "tracking.experiment_name=cli-sweep",
             "tracking.log_system_metrics=false"]
-    result = subprocess.run([sys.executable, "-m", "grpo.cli", "sweep", "--config", str(MICRO), "--space",
+    result = subprocess.run([sys.executable, "-m", "grpo.app.cli", "sweep", "--config", str(MICRO), "--space",
                              str(tmp_path / "space.yaml"), "--name", "lr", *(a for s in sets for a in ("--set", s))],
                             cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

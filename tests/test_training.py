@@ -56,7 +56,7 @@ def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path
     overrides = micro_overrides(tmp_path, **{"grpo.max_steps": 40, "grpo.save_steps": 8, "grpo.logging_steps": 4,
                                              "evaluation.enabled": "false",
                                              "grpo.reward_funcs": "[exact_match_recorded]"})
-    cmd = [sys.executable, "-m", "grpo.cli", "run", "--config", str(MICRO), "--run-name", "killed", "--reward-module",
+    cmd = [sys.executable, "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "killed", "--reward-module",
            str(recorder)]
     for item in overrides:
         cmd += ["--set", item]

@@ -25,7 +25,7 @@ def healthy(url: str) -> bool:
 
 def test_grpo_ui_serves_both_and_stops_them(tmp_path):
     prefect_port, mlflow_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "grpo.cli", "ui", "--prefect-port", str(prefect_port),
+    proc = subprocess.Popen([sys.executable, "-m", "grpo.app.cli", "ui", "--prefect-port", str(prefect_port),
                              "--mlflow-port", str(mlflow_port)], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:

@@ -3,7 +3,7 @@
 * :func:`die_with_parent` is a ``preexec_fn``: the child gets a signal when the thread that started it (start it
   from the main thread) ends, so a killed parent (SIGKILL included) leaves no server behind (Linux
   ``prctl(PR_SET_PDEATHSIG)``).
-* ``python -m grpo.procguard CMD ...`` runs CMD under a small guard that leads its process group: when the guard's
+* ``python -m grpo.app.procguard CMD ...`` runs CMD under a small guard that leads its process group: when the guard's
   parent dies, or it gets SIGTERM/SIGINT/SIGHUP, it stops the whole group (CMD and whatever CMD spawned, e.g.
   ``mlflow server``'s uvicorn worker), which a parent-death signal on CMD alone would not reach.
 * :func:`embedded_prefect_server` starts Prefect's ephemeral API server (what ``grpo run`` uses when no
@@ -46,7 +46,7 @@ def die_with_parent(sig: int = signal.SIGTERM):
 def guarded_command(cmd: list[str]) -> list[str]:
     """``cmd`` run under the process-group guard (see the module docstring); Popen it with
     ``start_new_session=True, preexec_fn=die_with_parent()``."""
-    return [sys.executable, "-m", "grpo.procguard", *cmd]
+    return [sys.executable, "-m", "grpo.app.procguard", *cmd]
 
 
 def _guard(cmd: list[str]) -> int:

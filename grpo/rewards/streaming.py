@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from grpo.reward_pool import score_rewards
+from grpo.rewards.pool import score_rewards
 
 ChunkScorer = Callable[[int, int], list[list[float]]]
 

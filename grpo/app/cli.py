@@ -106,7 +106,7 @@ def _stoppable(saved: str):
     second Ctrl-C exits at once."""
     from prefect.exceptions import TerminationSignal
 
-    from grpo import procguard
+    from grpo.app import procguard
 
     server = procguard.embedded_prefect_server()
     procguard.install_signal_handlers()
@@ -342,7 +342,7 @@ def ui(
     mlflow_port: Annotated[int, typer.Option(help="MLflow UI/API port.")] = 5000,
 ) -> None:
     """Start the Prefect and MLflow servers on 127.0.0.1 over the local stores; Ctrl-C stops both."""
-    from grpo.ui import start_servers, stop_servers
+    from grpo.app.ui import start_servers, stop_servers
 
     try:
         procs = start_servers(Path.cwd(), prefect_port, mlflow_port)
@@ -390,7 +390,7 @@ def serve(
 ) -> None:
     """Serve the pipeline (and sweep) flows on the Prefect server at PREFECT_API_URL until Ctrl-C: runs started from
     the Prefect UI, or by the schedule, execute here; no work pool or worker needed."""
-    from grpo import serve as serving
+    from grpo.app import serve as serving
 
     if schedule_flow not in (None, "sweep", "pipeline"):
         _fail(f"--schedule-flow {schedule_flow!r}: valid values are 'sweep', 'pipeline'")
@@ -423,7 +423,7 @@ def deploy(
 ) -> None:
     """`prefect deploy` of infra/prefect.yaml (run from the repository root, work pools created first; see
     infra/README.md). Other options are passed to `prefect deploy`."""
-    from grpo import serve as serving
+    from grpo.app import serve as serving
 
     try:
         code = serving.prefect_deploy(prefect_file, name, ctx.args)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from grpo.balance import balance_groups, balanced_micro_batches, group_workloads, imbalance_metrics
+from grpo.algo.balance import balance_groups, balanced_micro_batches, group_workloads, imbalance_metrics
 
 Batch = dict[str, Any]
 

@@ -1,0 +1,124 @@
+"""The package's layers and the direction of their imports (AST-based, like torchtune's import checks).
+
+- ``grpo.app`` (CLI, serve/deploy, ui, process supervision) is the only part of ``grpo`` that imports ``flows/``,
+  ``dashboards/``, Prefect or typer; ``flows/`` and ``dashboards/`` never import ``grpo.app``.
+- ``grpo.algo`` holds the algorithms on numpy/torch only: no TRL, transformers, accelerate, peft, datasets, MLflow
+  or Prefect, and no other ``grpo`` layer than itself, ``grpo.config`` and ``grpo.errors``.
+- ``grpo.rewards`` (registry, worker pool, streaming) imports no training stack and no ``grpo`` layer above it.
+- MLflow is imported only where runs are tracked (``grpo.tracking``, ``grpo.run_tracking``), by the app, the flows
+  (a sweep's parent run) and the dashboards; ``dashboards/`` never import Prefect.
+- The TRL methods the trainer overrides are listed in one place (``grpo.trainer.TRL_HOOKS``), checked against the
+  class and the pinned TRL.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAINING_STACK = {"trl", "transformers", "accelerate", "peft", "datasets", "vllm"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, lazily or not (``from grpo import x`` counts as ``grpo.x``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def modules(*folders: str) -> dict[str, set[str]]:
+    return {module_name(p): imports_of(p) for folder in folders for p in sorted((ROOT / folder).rglob("*.py"))}
+
+
+def top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def violations(mods: dict[str, set[str]], allowed) -> list[str]:
+    return [f"{mod} imports {imp}" for mod, imps in mods.items() for imp in sorted(imps) if not allowed(mod, imp)]
+
+
+def test_only_the_app_layer_imports_flows_dashboards_and_prefect():
+    def allowed(mod: str, imp: str) -> bool:
+        if under(mod, "grpo.app") or mod == "grpo.__main__":
+            return True
+        return top(imp) not in {"flows", "dashboards", "prefect", "typer"}
+
+    assert violations(modules("grpo"), allowed) == []
+
+
+def test_flows_and_dashboards_never_import_the_app():
+    def allowed(mod: str, imp: str) -> bool:
+        return not under(imp, "grpo.app") and not (under(mod, "dashboards") and top(imp) in {"prefect", "flows"})
+
+    assert violations(modules("flows", "dashboards"), allowed) == []
+
+
+def test_algorithms_depend_on_numpy_and_torch_only():
+    def allowed(mod: str, imp: str) -> bool:
+        if top(imp) == "grpo":
+            return imp == "grpo" or any(under(imp, p) for p in ("grpo.algo", "grpo.config", "grpo.errors"))
+        return top(imp) not in TRAINING_STACK | {"mlflow", "prefect", "flows", "dashboards"}
+
+    mods = modules("grpo/algo")
+    assert {"grpo.algo.sampling", "grpo.algo.balance", "grpo.algo.batch_layout"} <= set(mods)
+    assert violations(mods, allowed) == []
+
+
+def test_rewards_import_no_training_stack_and_no_higher_layer():
+    def allowed(mod: str, imp: str) -> bool:
+        if top(imp) == "grpo":
+            return imp == "grpo" or any(under(imp, p) for p in ("grpo.rewards", "grpo.errors"))
+        return top(imp) not in TRAINING_STACK | {"mlflow", "prefect", "torch"}
+
+    assert violations(modules("grpo/rewards"), allowed) == []
+
+
+def test_mlflow_only_where_runs_are_tracked():
+    tracking = {"grpo.tracking", "grpo.run_tracking"}
+
+    def allowed(mod: str, imp: str) -> bool:
+        return top(imp) != "mlflow" or mod in tracking or any(under(mod, p) for p in ("grpo.app", "flows", "dashboards"))
+
+    assert violations(modules("grpo", "flows", "dashboards"), allowed) == []
+
+
+def test_the_rule_catches_a_violation(tmp_path):
+    """The checker itself can fail: an algorithm importing transformers, a pipeline module importing a flow."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import transformers\nfrom flows.pipeline import grpo_pipeline\nfrom grpo import app\n")
+    assert {"transformers", "flows.pipeline", "flows.pipeline.grpo_pipeline", "grpo.app"} <= imports_of(bad)
+    assert violations({"grpo.algo.bad": imports_of(bad)}, lambda m, i: top(i) not in TRAINING_STACK | {"flows"})
+
+
+def test_trl_hooks_are_listed_once_and_exist_in_the_pinned_trl():
+    trl = pytest.importorskip("trl")
+    from grpo.trainer import TESTED_TRL_VERSION, TRL_HOOKS, GRPOTrainer
+
+    assert trl.__version__ == TESTED_TRL_VERSION
+    overridden = {name for name, value in vars(GRPOTrainer).items()
+                  if callable(value) and hasattr(trl.GRPOTrainer, name)}
+    assert overridden == set(TRL_HOOKS), "list every overridden TRL method in grpo.trainer.TRL_HOOKS, with why"
+    for name in TRL_HOOKS:
+        if name == "__init__":
+            continue
+        ours, theirs = inspect.signature(getattr(GRPOTrainer, name)), inspect.signature(getattr(trl.GRPOTrainer, name))
+        assert list(ours.parameters) == list(theirs.parameters), f"{name}: TRL's signature is {theirs}"
