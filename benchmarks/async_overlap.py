@@ -39,7 +39,7 @@ def _run(name: str, extra: list[str], round_id: int, out: Path, steps: int) -> d
     import torch
 
     from grpo.config import load_config
-    from grpo.experiment import run_experiment
+    from grpo.pipeline.experiment import run_experiment
     from grpo.runs import open_run_dir
 
     threads = torch.get_num_threads()

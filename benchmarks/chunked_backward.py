@@ -25,11 +25,11 @@ def _trainer(tmp: Path, chunks: int, group: int, length: int):
     import torch
 
     from grpo.config import load_config
-    from grpo.data import load_data
-    from grpo.policy import load_policy
+    from grpo.pipeline.data import load_data
+    from grpo.training.policy import load_policy
     from grpo.rewards import get_reward
-    from grpo.train import grpo_args
-    from grpo.trainer import GRPOTrainer
+    from grpo.training.train import grpo_args
+    from grpo.training.trainer import GRPOTrainer
 
     cfg = load_config(REPO / "tests" / "micro.yaml", [
         f"output_dir={tmp}", "model.tiny.hidden_size=256", "model.tiny.num_hidden_layers=4",

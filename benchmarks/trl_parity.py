@@ -26,11 +26,11 @@ def main(smoke: bool = False) -> dict:
     from transformers import set_seed
 
     from grpo.config import load_config
-    from grpo.data import load_data
-    from grpo.policy import load_policy
+    from grpo.pipeline.data import load_data
+    from grpo.training.policy import load_policy
     from grpo.rewards import get_reward
-    from grpo.train import grpo_args
-    from grpo.trainer import GRPOTrainer
+    from grpo.training.train import grpo_args
+    from grpo.training.trainer import GRPOTrainer
 
     out = Path(tempfile.mkdtemp(prefix="bench-parity-"))
     cfg = load_config("tiny", [f"output_dir={out}", f"grpo.max_steps={steps}",

@@ -470,7 +470,7 @@ def log_dashboard(tracker_or_client: Any, run_id: str | None, path: str | Path,
                   artifact_path: str = ARTIFACT_PATH) -> str:
     """Upload the dashboard file ``path`` as an artifact of ``run_id`` (e.g. a sweep's parent run).
 
-    ``tracker_or_client`` is a :class:`grpo.tracking.MlflowTracker` (``run_id`` may then be None for the tracker's
+    ``tracker_or_client`` is a :class:`grpo.pipeline.tracking.MlflowTracker` (``run_id`` may then be None for the tracker's
     own run) or an ``MlflowClient``. Returns the artifact's path in the run, ``dashboard/<file name>``. Errors of the
     upload are raised (the caller decides whether a missing dashboard matters).
     """

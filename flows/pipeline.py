@@ -1,4 +1,4 @@
-"""The pipeline flow: the recipe (:mod:`grpo.recipe`: prep → plan → eval (before) → train → eval (after)) with each
+"""The pipeline flow: the recipe (:mod:`grpo.pipeline.recipe`: prep → plan → eval (before) → train → eval (after)) with each
 stage a named Prefect subflow; one Prefect flow run and one MLflow run.
 
 The flow's parameter is the experiment config itself, so the Prefect UI renders it as a form. A retry of the flow
@@ -16,14 +16,14 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.context import get_run_context
 
-import grpo.stages
+import grpo.pipeline.stages
 from flows.stages import PrefectProgress, eval_flow, plan_flow, prep_flow, summarize_for_ui
-from grpo.confine import check_config_paths
 from grpo.config import DEFAULT_PRESET, ExperimentConfig, load_config, presets, resolve_config
 from grpo.console import quiet_library_noise
-from grpo.recipe import run_recipe
+from grpo.pipeline.confine import check_config_paths
+from grpo.pipeline.recipe import run_recipe
+from grpo.pipeline.tracking import MlflowCallback, MlflowTracker
 from grpo.runs import RunDir, open_run_dir
-from grpo.tracking import MlflowCallback, MlflowTracker
 
 FLOW_RUNS_STARTED: list[str] = []  # this process's pipeline flow runs: the CLI cancels them on Ctrl-C / SIGTERM
 _TRACKERS: dict[str, MlflowTracker] = {}  # run dir -> tracker, shared by the subflows of one pipeline run
@@ -44,7 +44,7 @@ def train_flow(config: ExperimentConfig, run_dir: str, data_dir: str, plan_path:
     run = RunDir(Path(run_dir))
     tracker = _TRACKERS.get(str(run.path))
     callbacks = [PrefectProgress(), *([MlflowCallback(tracker)] if tracker is not None else [])]
-    return grpo.stages.train_stage(config, run, data_dir, plan_path, resume, callbacks=callbacks,
+    return grpo.pipeline.stages.train_stage(config, run, data_dir, plan_path, resume, callbacks=callbacks,
                                    log=get_run_logger().info)
 
 

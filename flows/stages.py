@@ -1,4 +1,4 @@
-"""One Prefect flow per pipeline stage, each a short recipe over :mod:`grpo.stages`.
+"""One Prefect flow per pipeline stage, each a short recipe over :mod:`grpo.pipeline.stages`.
 
 Prep and plan are cached across runs on their inputs and the code that computes them (a changed training field
 reuses them); prep and eval retry on transient failure; training never retries blindly: a new attempt resumes
@@ -20,10 +20,10 @@ from prefect.artifacts import (
 )
 from transformers import TrainerCallback
 
-import grpo.stages
+import grpo.pipeline.stages
 from grpo.config import ExperimentConfig
 from grpo.errors import GRPOPlatformError
-from grpo.cache_dirs import PLAN_CODE, PREP_CODE, plan_dir_for, prep_dir_for, stage_key
+from grpo.pipeline.cache_dirs import PLAN_CODE, PREP_CODE, plan_dir_for, prep_dir_for, stage_key
 from grpo.runs import RunDir
 
 
@@ -50,7 +50,7 @@ def transient(task, task_run, state) -> bool:
 @task(name="prepare-dataset", cache_key_fn=_cached_dir_key("prep", PREP_CODE), persist_result=True, retries=2,
       retry_delay_seconds=5, retry_condition_fn=transient)
 def prepare_task(data_config: dict, out_dir: str, config: ExperimentConfig) -> dict:
-    return grpo.stages.cached_prep(config)
+    return grpo.pipeline.stages.cached_prep(config)
 
 
 @flow(name="grpo-prep", flow_run_name="prep")
@@ -79,7 +79,7 @@ def prep_flow(config: ExperimentConfig) -> dict:
 
 @task(name="write-plan", cache_key_fn=_cached_dir_key("plan", PLAN_CODE), persist_result=True)
 def plan_task(plan_key: str, data_dir: str, out_dir: str, config: ExperimentConfig, data_hash: str) -> dict:
-    return grpo.stages.cached_plan(config, data_dir, data_hash)
+    return grpo.pipeline.stages.cached_plan(config, data_dir, data_hash)
 
 
 @flow(name="grpo-plan", flow_run_name="plan")
@@ -124,7 +124,7 @@ class PrefectProgress(TrainerCallback):
 @flow(name="grpo-eval", flow_run_name="eval-{tag}", retries=2, retry_delay_seconds=5)
 def eval_flow(config: ExperimentConfig, model_source: str, data_dir: str, out_file: str, tag: str) -> dict:
     """Greedy accuracy and pass@k of a model on the held-out split."""
-    record = grpo.stages.evaluate_model(config, model_source, data_dir, out_file)
+    record = grpo.pipeline.stages.evaluate_model(config, model_source, data_dir, out_file)
     k = config.evaluation.pass_k
     create_table_artifact(key=f"eval-samples-{tag}", table=record["samples"],
                           description=f"Sample completions ({tag} training)")

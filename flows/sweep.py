@@ -2,7 +2,7 @@
 
 ``grpo_sweep(space, preset | config, ...)`` (Prefect flow ``grpo-sweep``, also ``grpo sweep`` on the command line):
 
-1. expands and validates every trial (:func:`grpo.sweep_space.expand_space`) before anything runs or is created;
+1. expands and validates every trial (:func:`grpo.pipeline.sweep_space.expand_space`) before anything runs or is created;
 2. creates ``<output_dir>/<sweep_name>/`` and ONE MLflow parent run (tags ``grpo.run_type=sweep``, ``grpo.sweep``;
    the space as param ``sweep.space`` and artifact ``sweep/space.json``);
 3. runs the trials, at most ``max_concurrency`` at a time, each a ``grpo-pipeline`` run named
@@ -49,9 +49,9 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.pipeline import Preset, _flow_run_info, default_config, grpo_pipeline, mlflow_run_url
 from grpo.config import ExperimentConfig, resolve_config, to_yaml
 from grpo.errors import RunDirectoryError
+from grpo.pipeline.sweep_space import expand_space
+from grpo.pipeline.tracking import SPOOL_DIRNAME, MlflowTracker, tracker_from_config, use_tracking_uri
 from grpo.runs import validate_run_name
-from grpo.sweep_space import expand_space
-from grpo.tracking import SPOOL_DIRNAME, MlflowTracker, tracker_from_config, use_tracking_uri
 
 BEST_ALIAS = "best"
 DIRECTIONS = ("maximize", "minimize")
@@ -177,16 +177,16 @@ def run_trial(config: ExperimentConfig, run_name: str, index: int, tracking_tags
 @task(name="warm-start-policy", cache_policy=NO_CACHE)
 def warm_policy(config: ExperimentConfig, data_dir: str) -> str:
     """Build (or reuse) the cached warm-started tiny model, once for all trials that share it."""
-    import grpo.stages
+    import grpo.pipeline.stages
 
-    return grpo.stages.policy_stage(config, Path(data_dir), log=get_run_logger().info).source
+    return grpo.pipeline.stages.policy_stage(config, Path(data_dir), log=get_run_logger().info).source
 
 
 def _prepare_shared_inputs(configs: list[ExperimentConfig]) -> dict[int, str]:
     """Prep, plan and tiny-model warm start once per distinct key (sequentially); returns {trial: error} for trials
     whose shared inputs could not be built (they are recorded as failed without running)."""
     from flows.stages import plan_flow, prep_flow
-    from grpo.cache_dirs import plan_dir_for, prep_dir_for
+    from grpo.pipeline.cache_dirs import plan_dir_for, prep_dir_for
 
     done: dict[str, Any] = {}
     errors: dict[int, str] = {}
@@ -348,7 +348,7 @@ def grpo_sweep(
         trial_timeout: Seconds a deployment trial may take before it counts as failed.
     """
     logger = get_run_logger()
-    from grpo.confine import check_config_paths
+    from grpo.pipeline.confine import check_config_paths
 
     config = resolve_config(config, preset)
     check_config_paths(config)  # a served sweep (grpo serve) stays inside the allowed roots (#12.15)

@@ -245,8 +245,8 @@ def run_one(row: Row, world: int, steps: int, shared: dict, timeout_s: int) -> d
     import torch
 
     from grpo.config import config_from_dict
-    from grpo.train import grpo_args
-    from grpo.trainer import GRPOTrainer
+    from grpo.training.train import grpo_args
+    from grpo.training.trainer import GRPOTrainer
 
     class ProbeTrainer(GRPOTrainer):
         def assemble_generation_batch(self, inputs):
@@ -290,8 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from grpo.config import config_from_dict
-    from grpo.data import load_data
-    from grpo.policy import load_policy
+    from grpo.pipeline.data import load_data
+    from grpo.training.policy import load_policy
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:

@@ -11,7 +11,7 @@ from collections import defaultdict
 import pytest
 
 from grpo.config import load_config
-from grpo.experiment import run_experiment
+from grpo.pipeline.experiment import run_experiment
 from grpo.runs import open_run_dir
 from tests.conftest import MICRO, micro_overrides, recorded_calls, write_prompt_recorder
 

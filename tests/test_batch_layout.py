@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from grpo.algo.batch_layout import BatchLayout
-from grpo.cache_dirs import plan_dir_for
+from grpo.algo.plan import plan_spec
 from grpo.config import load_config
-from grpo.plan import plan_spec
+from grpo.pipeline.cache_dirs import plan_dir_for
 
 SMALL = ["grpo.per_device_train_batch_size=32"]  # 4 prompts x 8 completions a micro-step
 BASE = load_config(None, SMALL)
@@ -50,7 +50,7 @@ def test_layout_numbers_agree_with_config_and_plan(sampling, grpo, expected):
 class _TrainerView:
     """The trainer's own layout properties over TRL's resolved arguments, without building a model."""
 
-    from grpo.trainer import GRPOTrainer as _T
+    from grpo.training.trainer import GRPOTrainer as _T
 
     batch_layout = _T.batch_layout
     prompts_per_rank_per_generation = _T.prompts_per_rank_per_generation
@@ -63,7 +63,7 @@ class _TrainerView:
 
 @pytest.mark.parametrize("sampling, grpo, expected", [c for c in CASES if not c[0]])  # one process here
 def test_trainer_reads_the_same_layout_from_trl_args(tmp_path, sampling, grpo, expected):
-    from grpo.train import grpo_args
+    from grpo.training.train import grpo_args
 
     cfg = load_config(None, SMALL + [f"grpo.{k}={v}" for k, v in grpo.items()])
     args = grpo_args(cfg, tmp_path)
@@ -74,7 +74,7 @@ def test_trainer_reads_the_same_layout_from_trl_args(tmp_path, sampling, grpo, e
 
 
 def test_trainer_refuses_partial_groups_with_the_same_message(tmp_path):
-    from grpo.train import grpo_args
+    from grpo.training.train import grpo_args
 
     cfg = load_config(None, ["grpo.per_device_train_batch_size=8", "grpo.num_generations=4"])
     args = grpo_args(cfg, tmp_path)

@@ -86,7 +86,7 @@ def test_extra_can_not_override_a_field_the_platform_sets(field):
 
 def test_platform_mapped_fields_reach_trl(tmp_path):
     """What TRL_FIELDS_SET_BY_PLATFORM names as the source is what grpo_args passes to trl.GRPOConfig."""
-    from grpo.train import grpo_args
+    from grpo.training.train import grpo_args
 
     cfg = load_config(None, ["async.use_data_producer=true", "async.vllm_importance_sampling_correction=true",
                              "async.vllm_importance_sampling_mode=sequence_mask", "async.vllm_importance_sampling_cap=3",
@@ -103,7 +103,7 @@ def test_report_to_adds_an_installed_logger(tmp_path, monkeypatch):
     """TRL's report_to (e.g. TensorBoard beside MLflow) is allowed for installed integrations."""
     from transformers.integrations import integration_utils
 
-    from grpo.train import grpo_args
+    from grpo.training.train import grpo_args
 
     if "tensorboard" not in integration_utils.get_available_reporting_integrations():
         with pytest.raises(ConfigError, match="grpo.report_to: 'tensorboard' is not installed"):

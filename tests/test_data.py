@@ -1,4 +1,4 @@
-"""Data sources through the one reader (``grpo.data.load_data``, the prep stage's cached output): the synthetic task,
+"""Data sources through the one reader (``grpo.pipeline.data.load_data``, the prep stage's cached output): the synthetic task,
 local files with column mapping, hub layouts, the errors for bad sources, and ``grpo plan`` planning over exactly
 the rows a run trains on."""
 
@@ -11,11 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from grpo.config import load_config
-from grpo.cache_dirs import prep_dir_for
-from grpo.data import alphabet_of, load_data
 from grpo.errors import DataError
-from grpo.prep import load_prepared
+from grpo.pipeline.cache_dirs import prep_dir_for
+from grpo.pipeline.data import load_data
+from grpo.pipeline.prep import load_prepared
 from grpo.tasks import addition_problems, flawed_addition_demonstrations
+from grpo.training.tiny_model import alphabet_of
 
 
 def test_synthetic_addition_is_deterministic_disjoint_and_fixed_width():

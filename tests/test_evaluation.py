@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.evaluation import evaluate_policy, generate_completions
-from grpo.tiny_model import build_char_tokenizer, build_tiny_qwen2
+from grpo.training.evaluation import evaluate_policy, generate_completions
+from grpo.training.tiny_model import build_char_tokenizer, build_tiny_qwen2
 
 PROMPTS = ["12+34=", "5+6=", "70+8=", "9+9=", "1+1=", "23+45="]
 

@@ -44,8 +44,8 @@ def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) ->
 
 def test_an_edited_data_file_is_prepared_again(tmp_path):
     """#12.1: the prep cache keys on the source's contents, not on its path."""
-    from grpo.cache_dirs import prep_dir_for
-    from grpo.stages import prep_stage
+    from grpo.pipeline.cache_dirs import prep_dir_for
+    from grpo.pipeline.stages import prep_stage
 
     source = write_rows(tmp_path / "data.jsonl", 60)
     cfg = load_config(MICRO, micro_overrides(tmp_path, **{"data.source": str(source)}))
@@ -64,7 +64,7 @@ def test_a_resume_before_the_first_checkpoint_logs_each_step_once(tmp_path):
     """#12.2: a run killed before its first checkpoint restarts at step 0; its earlier lines are dropped."""
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
-    from grpo.train import MetricsRecorder
+    from grpo.training.train import MetricsRecorder
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": s, "metrics": {"reward": 0.1}}) + "\n" for s in range(1, 6)))
@@ -117,7 +117,7 @@ def test_resuming_onto_a_corrupt_checkpoint_falls_back_and_never_unfinishes_the_
     truncated resumes from the previous one; a resume that fails leaves the MLflow run FINISHED."""
     from mlflow import MlflowClient
 
-    from grpo.experiment import run_experiment
+    from grpo.pipeline.experiment import run_experiment
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = load_config(MICRO, micro_overrides(tmp_path, **{
@@ -146,7 +146,7 @@ def test_summary_names_the_data_trained_on_and_a_resume_refuses_changed_data(tmp
     path), prepared data lives in the shared content-addressed cache (the same place on every path), and a resume
     whose source changed since the run started is refused before it trains on other rows."""
     from grpo.errors import DataError
-    from grpo.experiment import run_experiment
+    from grpo.pipeline.experiment import run_experiment
 
     source = write_rows(tmp_path / "d.jsonl", 40)
     cfg = load_config(MICRO, micro_overrides(tmp_path, **{
@@ -247,7 +247,7 @@ def test_numeric_answers_are_normalised_and_bad_lines_quarantined_by_line(tmp_pa
     #12.13: one line that is not UTF-8 is quarantined with its line number; the other rows are kept."""
     import pyarrow.parquet as pq
 
-    from grpo.prep import load_prepared, prepare_dataset
+    from grpo.pipeline.prep import load_prepared, prepare_dataset
 
     lines = [json.dumps({"prompt": f"q{i}", "answer": str(i)}).encode() for i in range(20)]
     lines[3] = b'{"prompt": "q3", "answer": 28.0}'
@@ -275,7 +275,7 @@ def test_secrets_are_refused_in_the_config_and_masked_if_logged(tmp_path):
     Prefect flow-run parameters. A config is stored in plain text in all three, so a secret is refused at load (the
     environment variable named instead); MLflow logging masks secret-like keys as a second line of defence."""
     from grpo.config import ConfigError
-    from grpo.tracking import redact
+    from grpo.pipeline.tracking import redact
 
     with pytest.raises(ConfigError, match=r"grpo.extra: 'hub_token' is a secret.*set the HF_TOKEN environment variable"):
         load_config(MICRO, micro_overrides(tmp_path, **{"grpo.extra": "{hub_token: hf_SECRETVALUE}"}))

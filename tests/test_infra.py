@@ -53,7 +53,7 @@ def test_prefect_yaml_deployments_point_at_real_flows_pools_and_presets():
 
     from grpo.config import load_config, presets
     from grpo.app.serve import SWEEP_PARAMETERS
-    from grpo.sweep_space import expand_space
+    from grpo.pipeline.sweep_space import expand_space
 
     data = prefect_yaml()
     model = PrefectYamlModel.model_validate(data)  # the model `prefect deploy` loads the file with

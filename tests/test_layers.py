@@ -5,9 +5,14 @@
 - ``grpo.algo`` holds the algorithms on numpy/torch only: no TRL, transformers, accelerate, peft, datasets, MLflow
   or Prefect, and no other ``grpo`` layer than itself, ``grpo.config`` and ``grpo.errors``.
 - ``grpo.rewards`` (registry, worker pool, streaming) imports no training stack and no ``grpo`` layer above it.
-- MLflow is imported only where runs are tracked (``grpo.tracking``, ``grpo.run_tracking``), by the app, the flows
+- ``grpo.training`` (the TRL extension, policy, evaluation) never imports the pipeline, the app, MLflow or Prefect;
+  ``grpo.pipeline`` (recipe, stages, data, tracking) never imports the app or Prefect.
+- TRL, accelerate and peft are imported only by the training layer, and by ``grpo.config`` (it checks fields
+  against TRL's ``GRPOConfig``) and ``grpo.distributed`` (accelerate's process state); transformers besides only by
+  the trainer-callback adapters (``grpo.pipeline.tracking``, ``flows.stages``) and ``grpo.console`` (log levels).
+- MLflow is imported only where runs are tracked (``grpo.pipeline.tracking``, ``grpo.pipeline.run_tracking``), by the app, the flows
   (a sweep's parent run) and the dashboards; ``dashboards/`` never import Prefect.
-- The TRL methods the trainer overrides are listed in one place (``grpo.trainer.TRL_HOOKS``), checked against the
+- The TRL methods the trainer overrides are listed in one place (``grpo.training.trainer.TRL_HOOKS``), checked against the
   class and the pinned TRL.
 """
 
@@ -92,8 +97,40 @@ def test_rewards_import_no_training_stack_and_no_higher_layer():
     assert violations(modules("grpo/rewards"), allowed) == []
 
 
+def test_training_never_imports_the_pipeline_or_the_app():
+    def allowed(mod: str, imp: str) -> bool:
+        return not (under(imp, "grpo.pipeline") or under(imp, "grpo.app")
+                    or top(imp) in {"mlflow", "prefect", "flows", "dashboards"})
+
+    mods = modules("grpo/training")
+    assert {"grpo.training.trainer", "grpo.training.policy"} <= set(mods)
+    assert violations(mods, allowed) == []
+
+
+def test_pipeline_never_imports_the_app_or_prefect():
+    def allowed(mod: str, imp: str) -> bool:
+        return not under(imp, "grpo.app") and top(imp) not in {"prefect", "flows", "dashboards"}
+
+    mods = modules("grpo/pipeline")
+    assert {"grpo.pipeline.recipe", "grpo.pipeline.stages", "grpo.pipeline.data"} <= set(mods)
+    assert violations(mods, allowed) == []
+
+
+def test_the_training_stack_stays_in_the_training_layer():
+    callbacks = {"grpo.pipeline.tracking", "flows.stages", "grpo.console"}
+
+    def allowed(mod: str, imp: str) -> bool:
+        if under(mod, "grpo.training") or top(imp) not in {"trl", "transformers", "accelerate", "peft"}:
+            return True
+        if mod in {"grpo.config", "grpo.distributed"}:
+            return top(imp) in {"trl", "transformers", "accelerate"}
+        return top(imp) == "transformers" and mod in callbacks
+
+    assert violations(modules("grpo", "flows", "dashboards"), allowed) == []
+
+
 def test_mlflow_only_where_runs_are_tracked():
-    tracking = {"grpo.tracking", "grpo.run_tracking"}
+    tracking = {"grpo.pipeline.tracking", "grpo.pipeline.run_tracking"}
 
     def allowed(mod: str, imp: str) -> bool:
         return top(imp) != "mlflow" or mod in tracking or any(under(mod, p) for p in ("grpo.app", "flows", "dashboards"))
@@ -111,12 +148,12 @@ def test_the_rule_catches_a_violation(tmp_path):
 
 def test_trl_hooks_are_listed_once_and_exist_in_the_pinned_trl():
     trl = pytest.importorskip("trl")
-    from grpo.trainer import TESTED_TRL_VERSION, TRL_HOOKS, GRPOTrainer
+    from grpo.training.trainer import TESTED_TRL_VERSION, TRL_HOOKS, GRPOTrainer
 
     assert trl.__version__ == TESTED_TRL_VERSION
     overridden = {name for name, value in vars(GRPOTrainer).items()
                   if callable(value) and hasattr(trl.GRPOTrainer, name)}
-    assert overridden == set(TRL_HOOKS), "list every overridden TRL method in grpo.trainer.TRL_HOOKS, with why"
+    assert overridden == set(TRL_HOOKS), "list every overridden TRL method in grpo.training.trainer.TRL_HOOKS, with why"
     for name in TRL_HOOKS:
         if name == "__init__":
             continue

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.config import load_config
-from grpo.data import load_data
 from grpo.algo.group_balancing import split_by_token_budget
-from grpo.policy import load_policy
+from grpo.config import load_config
+from grpo.pipeline.data import load_data
 from grpo.rewards import get_reward
-from grpo.train import grpo_args
-from grpo.trainer import GRPOTrainer
+from grpo.training.policy import load_policy
+from grpo.training.train import grpo_args
+from grpo.training.trainer import GRPOTrainer
 from tests.conftest import MICRO, micro_overrides
 from trl.trainer.utils import split_tensor_dict
 

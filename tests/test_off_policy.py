@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from grpo.config import load_config
-from grpo.data import load_data
-from grpo.experiment import run_experiment
-from grpo.policy import load_policy
+from grpo.pipeline.data import load_data
+from grpo.pipeline.experiment import run_experiment
 from grpo.rewards import get_reward
 from grpo.runs import open_run_dir
-from grpo.train import grpo_args
-from grpo.trainer import GRPOTrainer
+from grpo.training.policy import load_policy
+from grpo.training.train import grpo_args
+from grpo.training.trainer import GRPOTrainer
 from tests.conftest import MICRO, micro_overrides
 
 

@@ -20,11 +20,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo import plan
+from grpo.algo import plan
+from grpo.algo.plan import PlanExistsError, PlanSampler, build_plan, plan_spec, read_plan_indices
+from grpo.algo.sampling import SequenceParallelRepeatRandomSampler
 from grpo.config import load_config
 from grpo.errors import ConfigError, DataError, GRPOPlatformError
-from grpo.plan import PlanExistsError, PlanSampler, build_plan, plan_spec, read_plan_indices
-from grpo.algo.sampling import SequenceParallelRepeatRandomSampler
 
 BASE = load_config(None, [])
 
@@ -198,7 +198,7 @@ def test_existing_plan_needs_overwrite_and_readers_validate(tmp_path):
         read_plan_indices(first.plan_path, 0, start_round=4)
     with pytest.raises(ValueError, match="sequence_parallel_degree=2 does not match"):
         PlanSampler(first.plan_path, 0, 2)
-    with pytest.raises(DataError, match="not written by grpo.plan"):
+    with pytest.raises(DataError, match="not written by grpo.algo.plan"):
         pq.write_table(pq.read_table(first.plan_path).replace_schema_metadata(None), tmp_path / "other.parquet")
         read_plan_indices(tmp_path / "other.parquet", 0)
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from grpo.config import load_config
-from grpo.data import load_data
-from grpo.evaluation import evaluate_policy
-from grpo.policy import load_policy
+from grpo.pipeline.data import load_data
 from grpo.rewards import exact_match
-from grpo.tiny_model import build_char_tokenizer
+from grpo.training.evaluation import evaluate_policy
+from grpo.training.policy import load_policy
+from grpo.training.tiny_model import build_char_tokenizer
 
 pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
 

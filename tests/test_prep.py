@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from grpo.config import DataConfig
 from grpo.errors import DataError
-from grpo.prep import RULES, load_prepared, prepare_dataset
+from grpo.pipeline.prep import RULES, load_prepared, prepare_dataset
 from grpo.tasks import addition_problems
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from grpo.config import load_config
-from grpo.data import load_data
-from grpo.policy import load_policy
-from grpo.replay import ReplayBuffer, RerollBuffer, group_advantages, inject_rerolls, place_group
+from grpo.pipeline.data import load_data
 from grpo.rewards import get_reward, register_reward
-from grpo.train import grpo_args
-from grpo.trainer import GRPOTrainer
+from grpo.training.policy import load_policy
+from grpo.training.replay import ReplayBuffer, RerollBuffer, group_advantages, inject_rerolls, place_group
+from grpo.training.train import grpo_args
+from grpo.training.trainer import GRPOTrainer
 from tests.conftest import MICRO, micro_overrides
 
 SCORED: list[list[str]] = []

@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from grpo.rewards.pool import RewardWorkerPool
 from grpo.rewards import exact_match, load_reward_module
+from grpo.rewards.pool import RewardWorkerPool
 
 # ----- reward functions: module level, so spawned workers import them by name ------------------------------------
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration  # trains a model, starts servers or proces
 
 
 def test_paths_outside_the_allowed_roots_are_refused(tmp_path):
-    from grpo.confine import PathNotAllowed, check_config_paths
+    from grpo.pipeline.confine import PathNotAllowed, check_config_paths
 
     allowed = tmp_path / "allowed"
     (allowed / "data").mkdir(parents=True)

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from grpo.config import load_config
-from grpo.data import load_data
 from grpo.errors import ConfigError
-from grpo.policy import load_policy
+from grpo.pipeline.data import load_data
 from grpo.rewards import get_reward, load_reward_module
 from grpo.rewards.streaming import chunk_bounds
-from grpo.train import grpo_args
-from grpo.trainer import GRPOTrainer
+from grpo.training.policy import load_policy
+from grpo.training.train import grpo_args
+from grpo.training.trainer import GRPOTrainer
 from tests.conftest import MICRO, micro_overrides
 
 

@@ -11,7 +11,7 @@ import pytest
 from mlflow import MlflowClient
 
 from grpo.config import load_config
-from grpo.sweep_space import SpaceError, check_path, expand_space, load_space, trial_overrides
+from grpo.pipeline.sweep_space import SpaceError, check_path, expand_space, load_space, trial_overrides
 from tests.conftest import MICRO, micro_overrides
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 from transformers import TrainerControl, TrainerState
 
 from grpo.config import flatten, load_config
-from grpo.tracking import (
+from grpo.pipeline.tracking import (
     MAX_PARAM_VAL_LENGTH,
     MlflowCallback,
     MlflowTracker,
@@ -199,7 +199,7 @@ def test_resume_same_run_no_gaps_no_duplicates(mlflow_server, make_tracker, tmp_
 
 def test_log_model_transformers_flavour_offline(mlflow_server, make_tracker, tmp_path):
     import mlflow.transformers
-    from grpo.tiny_model import build_char_tokenizer, build_tiny_qwen2
+    from grpo.training.tiny_model import build_char_tokenizer, build_tiny_qwen2
 
     tokenizer = build_char_tokenizer("0123456789+= ")
     model = build_tiny_qwen2(tokenizer, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -242,7 +242,7 @@ def test_embedded_sqlite_default(make_tracker, tmp_path, monkeypatch):
     run_id = tracker.start("local", "grpo-local", params={"model.name_or_path": "tiny"})
     for s in range(5):
         tracker.log_metrics({"loss": 1.0 / (s + 1)}, step=s)
-    recorded = tmp_path / "metrics.jsonl"  # grpo.train.MetricsRecorder's format, replayed twice: no duplicates
+    recorded = tmp_path / "metrics.jsonl"  # grpo.training.train.MetricsRecorder's format, replayed twice: no duplicates
     recorded.write_text("".join(json.dumps({"step": s, "metrics": {"loss": 1 / s}}) + "\n" for s in (2, 4, 6)))
     assert log_metrics_file(tracker, recorded, prefix="train/") == 3
     assert log_metrics_file(tracker, recorded, prefix="train/") == 3
@@ -275,7 +275,7 @@ def test_batches_respect_mlflow_limit_and_line_boundaries():
 
 
 def test_keys_and_param_values():
-    from grpo.tracking import sanitize_metric_key
+    from grpo.pipeline.tracking import sanitize_metric_key
 
     assert sanitize_metric_key("eval/pass@8") == "eval/pass_at_8"
     assert sanitize_metric_key("/rewards//exact match (mean)/") == "rewards/exact match _mean_"

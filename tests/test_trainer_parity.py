@@ -10,11 +10,11 @@ import trl
 from transformers import set_seed
 
 from grpo.config import load_config
-from grpo.data import load_data
-from grpo.policy import load_policy
+from grpo.pipeline.data import load_data
 from grpo.rewards import get_reward
-from grpo.train import grpo_args
-from grpo.trainer import GRPOTrainer
+from grpo.training.policy import load_policy
+from grpo.training.train import grpo_args
+from grpo.training.trainer import GRPOTrainer
 
 pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
 

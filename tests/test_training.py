@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from grpo.algo.plan import read_plan_indices
 from grpo.config import load_config
-from grpo.prep import load_prepared
-from grpo.plan import read_plan_indices
-from grpo.experiment import run_experiment
+from grpo.pipeline.experiment import run_experiment
+from grpo.pipeline.prep import load_prepared
 from grpo.runs import RunDir, open_run_dir
 from tests.conftest import MICRO, micro_overrides, recorded_calls, write_prompt_recorder
 

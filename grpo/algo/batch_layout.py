@@ -1,9 +1,9 @@
 """The batch layout: how one generation round's completions are laid out over ranks, micro-steps and prompts.
 
 Derived once, here, the way ``trl.GRPOConfig`` derives it, and read by everything that needs the numbers: the
-config's validation and ``ExperimentConfig.generation_batch_size``, the sampler plan (:func:`grpo.plan.plan_spec`),
-the trainer's sampler (:attr:`grpo.trainer.GRPOTrainer.batch_layout`) and the plan's cache key
-(:func:`grpo.cache_dirs.plan_dir_for`).
+config's validation and ``ExperimentConfig.generation_batch_size``, the sampler plan (:func:`grpo.algo.plan.plan_spec`),
+the trainer's sampler (:attr:`grpo.training.trainer.GRPOTrainer.batch_layout`) and the plan's cache key
+(:func:`grpo.pipeline.cache_dirs.plan_dir_for`).
 
 * ``steps_per_generation`` is ``grpo.steps_per_generation``, else ``generation_batch_size // (per_device_train_batch_size
   * world_size)`` when that is set, else ``gradient_accumulation_steps`` (TRL's default);

@@ -160,7 +160,7 @@ def run(
             name = distributed.decide_on_main(lambda: run_name or default_run_name(cfg))
             run_dir = distributed.decide_on_main(lambda: open_run_dir(cfg, name, resume))
             typer.echo(f"run: {run_dir.path}")
-            from grpo.experiment import run_experiment
+            from grpo.pipeline.experiment import run_experiment
 
             summary = run_experiment(cfg, run_dir, resume=resume, log=typer.echo)
         else:
@@ -207,7 +207,7 @@ def sweep(
         cfg = _load(config, set_, reward_module)
         from grpo.errors import RunDirectoryError
         from grpo.runs import validate_run_name
-        from grpo.sweep_space import expand_space, load_space
+        from grpo.pipeline.sweep_space import expand_space, load_space
 
         if direction not in ("maximize", "minimize"):
             _fail(f"--direction {direction!r}: use maximize or minimize")
@@ -278,8 +278,8 @@ def plan(
     checking that the config fits the dataset."""
     try:
         cfg = _load(config, set_, reward_module)
-        from grpo.plan import default_plan_dir, plan_tokenizer, summary_table
-        from grpo.stages import cached_prep, plan_stage, prep_summary
+        from grpo.algo.plan import default_plan_dir, summary_table
+        from grpo.pipeline.stages import cached_prep, plan_stage, plan_tokenizer, prep_summary
 
         # The rows a run trains on: the prep stage's cached output (validated, quarantine applied), as `grpo run`.
         prep = cached_prep(cfg)
@@ -318,7 +318,7 @@ def dashboard(
     ] = None,
 ) -> None:
     """Write an HTML dashboard comparing the runs of an MLflow experiment or sweep (rewards, eval, final metrics)."""
-    from grpo.tracking import resolve_tracking_uri
+    from grpo.pipeline.tracking import resolve_tracking_uri
 
     uri = resolve_tracking_uri(tracking_uri, Path.cwd())
     try:
@@ -403,7 +403,7 @@ def serve(
         deployments = serving.build_deployments(name, config, schedule, schedule_flow, timezone)
     except GRPOPlatformError as err:
         _fail(str(err))
-    from grpo.confine import ENV, serve_roots
+    from grpo.pipeline.confine import ENV, serve_roots
 
     roots = serve_roots(Path.cwd(), allow_path)
     os.environ[ENV] = os.pathsep.join(map(str, roots))  # inherited by the flow runs this process starts

@@ -1,6 +1,6 @@
 """What one experiment run records in MLflow, stage by stage: shared by the Prefect pipeline (``flows/pipeline.py``)
-and the multi-process recipe (``grpo/experiment.py`` under torchrun / accelerate launch), so both log the same
-names: ``prep/*``, ``plan/*``, every trainer metric (through :class:`grpo.tracking.MlflowCallback`),
+and the multi-process recipe (``grpo/pipeline/experiment.py`` under torchrun / accelerate launch), so both log the same
+names: ``prep/*``, ``plan/*``, every trainer metric (through :class:`grpo.pipeline.tracking.MlflowCallback`),
 ``eval/accuracy_before|after``, ``eval/pass_at_k_*``, and the run's artifacts and model."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from grpo.config import ExperimentConfig, flatten
 from grpo.runs import RunDir
 import yaml
 
-from grpo.tracking import MlflowTracker, log_model, redact, tracker_from_config
+from grpo.pipeline.tracking import MlflowTracker, log_model, redact, tracker_from_config
 
 
 # The packages a result depends on, recorded as ``grpo.version.<name>`` run tags (absent ones are left out).

@@ -1,4 +1,4 @@
-"""The training stage: map the experiment config onto ``trl.GRPOConfig`` and run :class:`grpo.trainer.GRPOTrainer`."""
+"""The training stage: map the experiment config onto ``trl.GRPOConfig`` and run :class:`grpo.training.trainer.GRPOTrainer`."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from grpo.config import ExperimentConfig
-from grpo.policy import Policy, model_turn
 from grpo.rewards import get_reward
 from grpo.runs import RunDir
+from grpo.training.policy import Policy, model_turn
 
 # Fields of the ``grpo`` section that are not GRPOConfig arguments (handled by the platform itself).
 _PLATFORM_ONLY = {"reward_funcs", "num_generations_chunks", "extra"}
@@ -132,12 +132,12 @@ def train_grpo(
     echo: Callable[[str], None] = print,
 ) -> TrainResult:
     """Train; ``echo`` receives the console lines (progress, warnings): a Prefect run logger in the flow."""
-    with model_turn(echo):  # one training or model load at a time per process (see grpo.policy.MODEL_LOCK)
+    with model_turn(echo):  # one training or model load at a time per process (see grpo.training.policy.MODEL_LOCK)
         return _train(cfg, policy, train_dataset, run, resume, plan_path, callbacks, echo)
 
 
 def _train(cfg, policy, train_dataset, run, resume, plan_path, callbacks, echo) -> TrainResult:
-    from grpo.trainer import GRPOTrainer
+    from grpo.training.trainer import GRPOTrainer
 
     import torch
 

@@ -36,9 +36,9 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Sampler
 
+from grpo.algo.sampling import sp_group_of
 from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError, DataError, GRPOPlatformError
-from grpo.algo.sampling import sp_group_of
 
 __all__ = [
     "PLAN_FILE",
@@ -52,12 +52,11 @@ __all__ = [
     "plan_spec",
     "read_plan_indices",
     "read_plan_meta",
-    "plan_tokenizer",
     "summary_table",
 ]
 
 PLAN_FILE, SUMMARY_FILE = "plan.parquet", "plan.json"
-_META_KEY = b"grpo.plan"
+_META_KEY = b"grpo.algo.plan"
 _ROWS_PER_ROW_GROUP = 1 << 18  # bounds writer and reader memory: planning 1M prompts peaks ~110 MB above imports
 _MAX_BALANCED_ROUNDS = 1000  # group-level balancing is ~0.5 ms a round: predict it on an even sample of rounds
 _INT16_MAX, _INT32_MAX = 2**15 - 1, 2**31 - 1
@@ -457,7 +456,7 @@ def read_plan_meta(plan_path: str | Path) -> dict[str, Any]:
     except (OSError, pa.ArrowInvalid) as err:
         raise DataError(f"plan {plan_path}: not a readable plan file: {err}") from None
     if _META_KEY not in metadata:
-        raise DataError(f"plan {plan_path}: no {_META_KEY.decode()!r} metadata; not written by grpo.plan")
+        raise DataError(f"plan {plan_path}: no {_META_KEY.decode()!r} metadata; not written by grpo.algo.plan")
     return json.loads(metadata[_META_KEY])
 
 
@@ -526,19 +525,6 @@ class PlanSampler(Sampler[int]):
 
 
 # ------------------------------------------------------------------------------------------------ CLI helpers
-
-
-def plan_tokenizer(cfg: ExperimentConfig) -> Any | None:
-    """The tokenizer prompt lengths are counted with: None (characters) for the tiny model, the model's otherwise."""
-    if cfg.model.is_tiny:
-        return None
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(cfg.model.name_or_path)
-    except Exception as err:  # missing files, offline hub, unknown id: all user-facing
-        name = cfg.model.name_or_path
-        raise ConfigError(f"model.name_or_path {name!r}: could not load its tokenizer: {err}") from None
 
 
 def prompt_token_lengths(prompts: list, tokenizer: Any | None) -> np.ndarray:

@@ -3,7 +3,7 @@ one MLflow run. Read it top to bottom.
 
 Every path runs this function with a different :class:`StageRunner`: ``grpo run`` and the Prefect UI run each stage
 as a named Prefect subflow with its caching, retries and artifacts (``flows/pipeline.py``); ``torchrun`` /
-``accelerate launch`` ranks, tests and benchmarks call the stages directly (:class:`grpo.experiment.LocalStages`).
+``accelerate launch`` ranks, tests and benchmarks call the stages directly (:class:`grpo.pipeline.experiment.LocalStages`).
 So the run directory, ``summary.json`` and the MLflow run are the same on every path.
 
 Under a multi-process launch every rank trains; rank 0 alone prepares data, plans, evaluates, tracks and writes the
@@ -20,7 +20,7 @@ from grpo import distributed
 from grpo.config import ExperimentConfig
 from grpo.console import quiet_library_noise
 from grpo.errors import DataError
-from grpo.run_tracking import (
+from grpo.pipeline.run_tracking import (
     end_status,
     eval_metrics,
     log_numbers,
@@ -29,15 +29,15 @@ from grpo.run_tracking import (
     plan_metrics,
     start_run_tracking,
 )
+from grpo.pipeline.stages import plan_summary, prep_summary
+from grpo.pipeline.tracking import MlflowTracker
 from grpo.runs import RunDir
-from grpo.stages import plan_summary, prep_summary
-from grpo.tracking import MlflowTracker
 
 Log = Callable[[str], None]
 
 
 class StageRunner(Protocol):
-    """How the recipe's stages run: each returns a small JSON-able record (see :mod:`grpo.stages`)."""
+    """How the recipe's stages run: each returns a small JSON-able record (see :mod:`grpo.pipeline.stages`)."""
 
     def started(self, run: RunDir, tracker: MlflowTracker | None) -> None:
         """The run directory is open and its MLflow run started (rank 0)."""

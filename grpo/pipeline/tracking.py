@@ -838,7 +838,7 @@ class MlflowCallback(TrainerCallback):
 
 
 def log_metrics_file(tracker: MlflowTracker, path: str | Path, prefix: str = "") -> int:
-    """Replay a ``metrics.jsonl`` written by :class:`grpo.train.MetricsRecorder` (``{"step", "metrics"}`` lines).
+    """Replay a ``metrics.jsonl`` written by :class:`grpo.training.train.MetricsRecorder` (``{"step", "metrics"}`` lines).
 
     Idempotent: points whose (key, step) the run already has are dropped, so replaying after a live
     :class:`MlflowCallback` or after a resume adds only what is missing. Returns the number of lines read.
@@ -914,7 +914,7 @@ def log_model(
         raise TrackingError("log_model: the tracker is not started")
     model_dir = Path(model_dir).resolve()
     tokenizer_dir = Path(tokenizer_dir).resolve() if tokenizer_dir else model_dir
-    from grpo.policy import MODEL_LOCK
+    from grpo.training.policy import MODEL_LOCK
 
     with MODEL_LOCK:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir))

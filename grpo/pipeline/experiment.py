@@ -1,4 +1,4 @@
-"""The recipe (:mod:`grpo.recipe`) run in this process, stage by stage as plain calls: what every rank runs under
+"""The recipe (:mod:`grpo.pipeline.recipe`) run in this process, stage by stage as plain calls: what every rank runs under
 ``torchrun`` / ``accelerate launch``, and what tests and benchmarks run. ``grpo run`` and the Prefect UI run the
 same recipe with Prefect subflows (``flows/pipeline.py``).
 """
@@ -8,17 +8,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from grpo import stages
 from grpo.config import ExperimentConfig
-from grpo.recipe import run_recipe, write_summary
+from grpo.pipeline import stages
+from grpo.pipeline.recipe import run_recipe, write_summary
+from grpo.pipeline.tracking import MlflowCallback, MlflowTracker
 from grpo.runs import RunDir
-from grpo.tracking import MlflowCallback, MlflowTracker
 
 __all__ = ["LocalStages", "run_experiment", "write_summary"]
 
 
 class LocalStages:
-    """Each stage as a direct call into :mod:`grpo.stages` (prep and plan through their content-addressed caches)."""
+    """Each stage as a direct call into :mod:`grpo.pipeline.stages` (prep and plan through their content-addressed caches)."""
 
     def __init__(self, callbacks: Sequence[Any] = ()) -> None:
         self.callbacks = list(callbacks)

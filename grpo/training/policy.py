@@ -16,16 +16,17 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from datasets import DatasetDict
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import ExperimentConfig
-from grpo.data import alphabet_of
+from grpo.errors import ConfigError
 from grpo.tasks import flawed_addition_demonstrations
-from grpo.tiny_model import build_char_tokenizer, build_tiny_qwen2
-from grpo.warm_start import supervised_warm_start
+from grpo.training.tiny_model import alphabet_of, build_char_tokenizer, build_tiny_qwen2
+from grpo.training.warm_start import supervised_warm_start
 
 CACHE_VERSION = 1  # bump when the tiny model/tokenizer/warm-start code changes meaning
 
@@ -160,3 +161,22 @@ def _warm_start_with_progress(model, tokenizer, data: DatasetDict, cfg: Experime
             model, tokenizer, prompts, answers, ws.steps, ws.batch_size, ws.learning_rate, cfg.grpo.seed,
             on_step=lambda step, loss: progress.update(task, completed=step + 1, loss=loss),
         )
+
+
+def plan_tokenizer(cfg: ExperimentConfig) -> Any | None:
+    """The tokenizer prompt lengths are counted with: None (characters) for the tiny model, the model's otherwise."""
+    if cfg.model.is_tiny:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+    except Exception as err:  # missing files, offline hub, unknown id: all user-facing
+        name = cfg.model.name_or_path
+        raise ConfigError(f"model.name_or_path {name!r}: could not load its tokenizer: {err}") from None
+
+
+def trained_policy(model_dir: Path) -> Policy:
+    """The model a training stage saved, for evaluation."""
+    with MODEL_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(model_dir,
+                                                     dtype="auto" if torch.cuda.is_available() else torch.float32)
+        return Policy(model, AutoTokenizer.from_pretrained(model_dir), str(model_dir), True, 0.0, [])

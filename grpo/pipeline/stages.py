@@ -1,9 +1,9 @@
 """The pipeline's stages as plain functions that pass paths: prep → plan → train → eval.
 
-The recipe (:mod:`grpo.recipe`) sequences them; :class:`grpo.experiment.LocalStages` calls them directly and the
+The recipe (:mod:`grpo.pipeline.recipe`) sequences them; :class:`grpo.pipeline.experiment.LocalStages` calls them directly and the
 Prefect flows in ``flows/`` call the same functions as subflows. Each stage reads what the previous one wrote
 (Parquet data, a plan file, a model directory) and returns a small JSON-able summary, so nothing large travels
-between stages. Prepared data and plans are cached in content-addressed directories (:mod:`grpo.cache_dirs`).
+between stages. Prepared data and plans are cached in content-addressed directories (:mod:`grpo.pipeline.cache_dirs`).
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from typing import Any
 
 from grpo import distributed
 
-from grpo.cache_dirs import locked, plan_dir_for, prep_dir_for
+from grpo.algo.plan import build_plan, prompt_token_lengths
 from grpo.config import ExperimentConfig
-from grpo.evaluation import EvalResult, evaluate_policy
-from grpo.plan import build_plan, plan_tokenizer, prompt_token_lengths
-from grpo.policy import Policy, load_policy
-from grpo.prep import load_prepared, prepare_dataset
+from grpo.pipeline.cache_dirs import locked, plan_dir_for, prep_dir_for
+from grpo.pipeline.prep import load_prepared, prepare_dataset
 from grpo.rewards import get_reward
 from grpo.runs import RunDir
-from grpo.train import train_grpo
+from grpo.training.evaluation import EvalResult, evaluate_policy
+from grpo.training.policy import Policy, load_policy, plan_tokenizer, trained_policy
+from grpo.training.train import train_grpo
 
 
 def prep_stage(cfg: ExperimentConfig, out_dir: Path) -> dict[str, Any]:
@@ -62,7 +62,7 @@ def policy_stage(cfg: ExperimentConfig, data_dir: Path, log=print) -> Policy:
 
 def plan_stage(cfg: ExperimentConfig, data_dir: Path, out_dir: Path, tokenizer=None,
                overwrite: bool = False) -> dict[str, Any]:
-    """Write the prompt schedule over the prepared train rows (``plan.parquet`` + ``plan.json``); see :mod:`grpo.plan`.
+    """Write the prompt schedule over the prepared train rows (``plan.parquet`` + ``plan.json``); see :mod:`grpo.algo.plan`.
     ``grpo plan`` calls this too, on the data :func:`cached_prep` prepared for the config (the rows a run trains on)."""
     prompts = list(load_prepared(data_dir)["train"]["prompt"])
     summary = build_plan(cfg, prompt_token_lengths(prompts, None if cfg.model.is_tiny else tokenizer), out_dir,
@@ -125,16 +125,3 @@ def train_stage(cfg: ExperimentConfig, run: RunDir, data_dir: str | Path, plan_p
     result = train_grpo(cfg, policy, load_prepared(Path(data_dir))["train"], run, resume, plan_path=Path(plan_path),
                         callbacks=list(callbacks), echo=log)
     return {**dataclasses.asdict(result), "model_dir": str(run.model_dir), "policy_source": policy.source}
-
-
-def trained_policy(model_dir: Path) -> Policy:
-    """The model a training stage saved, for evaluation."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from grpo.policy import MODEL_LOCK
-
-    with MODEL_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(model_dir,
-                                                     dtype="auto" if torch.cuda.is_available() else torch.float32)
-        return Policy(model, AutoTokenizer.from_pretrained(model_dir), str(model_dir), True, 0.0, [])

@@ -19,11 +19,11 @@ from types import ModuleType
 from typing import Any
 
 from grpo.config import ExperimentConfig
-from grpo.policy import cache_root
+from grpo.training.policy import cache_root
 
-# The modules whose source is part of each stage's key (imported lazily: grpo.stages imports this module).
-PREP_CODE = ("grpo.prep", "grpo.tasks", "grpo.stages")
-PLAN_CODE = ("grpo.plan", "grpo.algo.batch_layout", "grpo.stages")
+# The modules whose source is part of each stage's key (imported lazily: grpo.pipeline.stages imports this module).
+PREP_CODE = ("grpo.pipeline.prep", "grpo.tasks", "grpo.pipeline.stages")
+PLAN_CODE = ("grpo.algo.plan", "grpo.algo.batch_layout", "grpo.pipeline.stages")
 
 
 def _code_hash(modules: tuple[str, ...]) -> str:
@@ -40,7 +40,7 @@ def stage_key(kind: str, payload: dict[str, Any], modules: tuple[str | ModuleTyp
 def prep_dir_for(cfg: ExperimentConfig) -> Path:
     """Content-addressed location of prepared data: the same data config, source contents and code always land in
     one place, and an edited source file lands in a new one."""
-    from grpo.prep import source_fingerprint
+    from grpo.pipeline.prep import source_fingerprint
 
     payload = {**cfg.data.model_dump(mode="json"), "source_fingerprint": source_fingerprint(cfg.data)}
     return cache_root() / "prepared" / stage_key("prep", payload, PREP_CODE)

@@ -1,8 +1,8 @@
 """The one data reader: the rows every caller trains, plans and evaluates on.
 
 Reading a source (the synthetic task, a local file, a hub dataset), validating it, quarantining bad rows and
-wrapping chat prompts happen once, in the prep stage (:mod:`grpo.prep`). :func:`load_data` returns that stage's
-output for a config: prepared once into its content-addressed cache directory (:func:`grpo.cache_dirs.prep_dir_for`,
+wrapping chat prompts happen once, in the prep stage (:mod:`grpo.pipeline.prep`). :func:`load_data` returns that stage's
+output for a config: prepared once into its content-addressed cache directory (:func:`grpo.pipeline.cache_dirs.prep_dir_for`,
 the one the Prefect pipeline uses too) and reused after. So ``grpo plan``, ``grpo run``, tests and benchmarks all
 see the same ``DatasetDict`` with ``train`` and ``eval`` splits, the columns ``prompt`` and ``answer`` (plus the
 source's other columns), in the same order; a source that cannot be read fails with a :class:`DataError` naming it.
@@ -15,23 +15,13 @@ from pathlib import Path
 from datasets import DatasetDict
 
 from grpo.config import ExperimentConfig
-from grpo.prep import load_prepared
+from grpo.pipeline.prep import load_prepared
 
 
 def load_data(cfg: ExperimentConfig) -> DatasetDict:
     """The prepared ``train`` and ``eval`` splits for ``cfg``: the prep stage's output in its cache directory
-    (:func:`grpo.stages.cached_prep`, which ``grpo run`` and ``grpo plan`` use too), prepared first if it is not
+    (:func:`grpo.pipeline.stages.cached_prep`, which ``grpo run`` and ``grpo plan`` use too), prepared first if it is not
     there yet. The content hash is checked, so a prepared directory edited since is refused, not read."""
-    from grpo.stages import cached_prep  # lazy: grpo.stages imports grpo.policy, which imports this module
+    from grpo.pipeline.stages import cached_prep  # lazy: grpo.pipeline.stages imports grpo.training.policy, which imports this module
 
     return load_prepared(Path(cached_prep(cfg)["data_dir"]))
-
-
-def alphabet_of(ds: DatasetDict) -> str:
-    """Every character that occurs in prompts or answers: the tiny tokenizer's vocabulary."""
-    chars: set[str] = set()
-    for split in ds.values():
-        for col in ("prompt", "answer"):
-            for text in split[col]:
-                chars.update(text if isinstance(text, str) else "".join(m["content"] for m in text))
-    return "".join(sorted(chars))

@@ -25,11 +25,11 @@ from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid,
 
 from grpo.algo.batch_layout import BatchLayout
 from grpo.algo.group_balancing import BALANCED_ROWS, rebalance_groups, split_by_token_budget
+from grpo.algo.plan import PlanSampler
 from grpo.algo.sampling import SequenceParallelRepeatRandomSampler
 from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError
-from grpo.plan import PlanSampler
-from grpo.replay import ReplayBuffer, RerollBuffer, group_advantages, group_reward_std, inject_rerolls, place_group
+from grpo.training.replay import ReplayBuffer, RerollBuffer, group_advantages, group_reward_std, inject_rerolls, place_group
 
 TESTED_TRL_VERSION = "1.16.0"
 
@@ -56,7 +56,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     ) -> None:
         if trl.__version__ != TESTED_TRL_VERSION:
             raise RuntimeError(
-                f"grpo.trainer overrides TRL internals tested with trl=={TESTED_TRL_VERSION}, found {trl.__version__}; "
+                f"grpo.training.trainer overrides TRL internals tested with trl=={TESTED_TRL_VERSION}, found {trl.__version__}; "
                 f"install the pinned version (pip install -e .)"
             )
         if experiment is not None and experiment.async_.streaming_partial_batch:
@@ -242,7 +242,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _start_producer(self) -> None:
         """Spawn the generator process. Called at construction, so its start-up (imports, model load) overlaps the
         rest of set-up; its first round is generated with weights pushed at that moment (see _async_rollouts)."""
-        from grpo.async_producer import AsyncRolloutProducer, producer_threads
+        from grpo.training.async_producer import AsyncRolloutProducer, producer_threads
 
         from safetensors.torch import save_file
 

@@ -1,12 +1,17 @@
 """A tiny character-level policy built entirely offline: tokenizer from ``tokenizers``, Qwen2 from a config.
 
 This is what makes the default run work on a laptop with no network: nothing is downloaded, everything is built from
-code and cached on disk by :mod:`grpo.policy`.
+code and cached on disk by :mod:`grpo.training.policy`.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+if TYPE_CHECKING:
+    from datasets import DatasetDict
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
@@ -56,3 +61,13 @@ def build_tiny_qwen2(
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     return model
+
+
+def alphabet_of(ds: DatasetDict) -> str:
+    """Every character that occurs in prompts or answers: the tiny tokenizer's vocabulary."""
+    chars: set[str] = set()
+    for split in ds.values():
+        for col in ("prompt", "answer"):
+            for text in split[col]:
+                chars.update(text if isinstance(text, str) else "".join(m["content"] for m in text))
+    return "".join(sorted(chars))
