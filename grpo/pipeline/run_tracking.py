@@ -59,7 +59,7 @@ def end_status(finished: bool, error: BaseException | None, was_finished: bool) 
 
 def log_numbers(tracker: MlflowTracker | None, metrics: Mapping[str, Any], step: int = 0) -> None:
     if tracker is not None:
-        tracker.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        tracker.log_metrics(metrics, step=step)  # the tracker keeps the numbers (grpo.pipeline.tracking.numeric_metrics)
 
 
 def prep_metrics(stats: Mapping[str, Any]) -> dict[str, float]:

@@ -111,6 +111,22 @@ _SECRET_KEY = re.compile(r"token|secret|passw|api_?key|credential|private_key", 
 REDACTED = "***"
 
 
+def numeric_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The metrics MLflow can take, as floats: numbers and 0-d tensors / numpy scalars; booleans, other values and NaN
+    are left out. The one place metric values are cleaned (every logging path goes through the tracker)."""
+    clean: dict[str, float] = {}
+    for key, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+                value = value.item()  # 0-d tensor / numpy scalar
+            else:
+                continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(float(value)):
+            continue
+        clean[key] = float(value)
+    return clean
+
+
 def redact(key: str, value: Any) -> Any:
     """``value`` with secrets masked: a token/secret/password-like key's value, recursively inside mappings, so a
     ``grpo.extra.hub_token`` never reaches a tracking store in plain text."""
@@ -449,17 +465,7 @@ class MlflowTracker:
     def _log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
         if self.run_id is None or self._spool_fh is None:
             return
-        clean: dict[str, float] = {}
-        for key, value in metrics.items():
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
-                    value = value.item()  # 0-d tensor / numpy scalar
-                else:
-                    continue
-            value = float(value)
-            if math.isnan(value):
-                continue
-            clean[self._key(key)] = value
+        clean = {self._key(key): value for key, value in numeric_metrics(metrics).items()}
         if not clean:
             return
         with self._lock:
@@ -828,13 +834,7 @@ class MlflowCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or not state.is_world_process_zero:
             return
-        clean = {
-            f"{self.prefix}{k}": float(v)
-            for k, v in logs.items()
-            if isinstance(v, numbers.Real) and not isinstance(v, bool) and v == v
-        }
-        if clean:
-            self.tracker.log_metrics(clean, step=state.global_step)
+        self.tracker.log_metrics({f"{self.prefix}{k}": v for k, v in logs.items()}, step=state.global_step)
 
 
 def log_metrics_file(tracker: MlflowTracker, path: str | Path, prefix: str = "") -> int:

@@ -97,6 +97,10 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ------------------------------------------------------------ 1. which prompts each rank sees
 
+    def _record(self, name: str, value: float) -> None:
+        """One value of a training metric for this logging step (TRL averages each over the step and logs it)."""
+        self._metrics["train"][name].append(value)
+
     def _get_train_sampler(self, dataset=None) -> Sampler:
         return self.build_train_sampler(dataset if dataset is not None else self.train_dataset)
 
@@ -200,7 +204,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self.experiment.sampling.balance_quadratic_coef,
             )
             for name, value in metrics.items():
-                self._metrics["train"][name].append(value)
+                self._record(name, value)
         return batch
 
     # ---- async rollouts (async.use_data_producer / async.async_prefetch)
@@ -344,7 +348,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if a.off_policy_mask_threshold is not None:  # TRL applies the mask in its loss; this logs its first-pass size
             seq_kl = (-diff).sum(1) / mask.sum(1).clamp(min=1.0)
             masked = (batch["advantages"] < 0) & (seq_kl > a.off_policy_mask_threshold)
-            self._metrics["train"]["sampling/opsm_frac_masked"].append(masked.float().mean().item())
+            self._record("sampling/opsm_frac_masked", masked.float().mean().item())
         if not a.vllm_importance_sampling_correction:
             return
         if a.vllm_importance_sampling_mode.startswith("sequence"):
@@ -421,7 +425,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                                          group_size=self.num_generations)
         local = torch.tensor(rows, dtype=torch.float32, device=self.accelerator.device)
         for name, value in self._reward_pool.metrics.items():
-            self._metrics["train"][name].append(float(value))
+            self._record(name, float(value))
         return gather(local)
 
     def _streamed_rewards(self) -> torch.Tensor:
@@ -433,7 +437,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             metrics["rewards/errors"] = float(sum(pool_errors))
             metrics["rewards/worker_restarts"] = float(self._reward_pool.metrics["rewards/worker_restarts"])
         for name, value in metrics.items():
-            self._metrics["train"][name].append(float(value))
+            self._record(name, float(value))
         local = torch.tensor(rows, dtype=torch.float32, device=self.accelerator.device)
         return gather(local)
 
@@ -457,7 +461,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         a = self.experiment.async_
         start_step = int(a.reroll_start_fraction * self.args.max_steps)
         taken = self._reroll.take(a.reroll_max_groups) if self.state.global_step >= start_step else []
-        self._metrics["train"]["reroll_injected"].append(float(len(taken)))
+        self._record("reroll_injected", float(len(taken)))
         return inject_rerolls(inputs, taken, self.num_generations) if taken else inputs
 
     def _buffer_failed_groups(self, inputs: list[dict[str, Any]], rewards: torch.Tensor) -> None:
@@ -465,9 +469,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         failed = (grouped.max(dim=1).values <= 0) & (grouped.std(dim=1) == 0)
         for g in failed.nonzero().flatten().tolist():
             self._reroll.add(inputs[g * self.num_generations])
-        self._metrics["train"]["reroll_buffered"].append(float(failed.sum()))
-        self._metrics["train"]["reroll_buffer_size"].append(float(len(self._reroll)))
-        self._metrics["train"]["reroll_dropped"].append(float(self._reroll.dropped))
+        self._record("reroll_buffered", float(failed.sum()))
+        self._record("reroll_buffer_size", float(len(self._reroll)))
+        self._record("reroll_dropped", float(self._reroll.dropped))
 
     # ---- replay buffer
 
@@ -511,8 +515,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                      ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", *per_token)}
             group["rewards"] = grouped[g].clone()
             self._replay.add(score, group)
-        self._metrics["train"]["replay_buffer_replacements"].append(float(len(replaced)))
-        self._metrics["train"]["replay_buffer_size"].append(float(len(self._replay)))
+        self._record("replay_buffer_replacements", float(len(replaced)))
+        self._record("replay_buffer_size", float(len(self._replay)))
         return replaced
 
     def _refresh_replayed(self, batch: dict[str, Any], replaced: list[slice]) -> None:
@@ -567,10 +571,10 @@ class GRPOTrainer(trl.GRPOTrainer):
           whole group. Chunk losses are weighted so the summed gradient equals the unchunked one.
         """
         if model.training and self._skip_zero_advantage and self._no_signal_anywhere(inputs["advantages"]):
-            self._metrics["train"]["skipped_zero_adv_batches"].append(1.0)
+            self._record("skipped_zero_adv_batches", 1.0)
             return self._zero_loss(model, inputs)
         if model.training and self._skip_zero_advantage:
-            self._metrics["train"]["skipped_zero_adv_batches"].append(0.0)
+            self._record("skipped_zero_adv_batches", 0.0)
         chunks = self.experiment.grpo.num_generations_chunks if self.experiment else 1
         weight = self._balanced_weight(inputs)
         if chunks == 1 or not model.training or not torch.is_grad_enabled():
