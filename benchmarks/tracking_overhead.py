@@ -93,7 +93,7 @@ def _tracking_overhead(root: Path, opts: Settings) -> dict:
 
     from grpo.config import load_config
     from grpo.pipeline.data import load_data
-from grpo.training.tiny_model import alphabet_of
+    from grpo.training.tiny_model import alphabet_of
     from grpo.training.policy import Policy, load_policy, tiny_cache_key
     from grpo.pipeline.run_tracking import start_run_tracking
     from grpo.runs import open_run_dir

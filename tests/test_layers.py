@@ -159,3 +159,15 @@ def test_trl_hooks_are_listed_once_and_exist_in_the_pinned_trl():
             continue
         ours, theirs = inspect.signature(getattr(GRPOTrainer, name)), inspect.signature(getattr(trl.GRPOTrainer, name))
         assert list(ours.parameters) == list(theirs.parameters), f"{name}: TRL's signature is {theirs}"
+
+
+def test_every_python_file_in_the_repository_parses():
+    """Benchmarks and tests too (a broken import line in a benchmark's function was caught only by its smoke run)."""
+    broken = []
+    for folder in ("grpo", "flows", "dashboards", "benchmarks", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            try:
+                ast.parse(path.read_text(), str(path))
+            except SyntaxError as err:
+                broken.append(f"{path.relative_to(ROOT)}:{err.lineno}: {err.msg}")
+    assert broken == []
