@@ -50,7 +50,7 @@ def transient(task, task_run, state) -> bool:
 @task(name="prepare-dataset", cache_key_fn=_cached_dir_key("prep", PREP_CODE), persist_result=True, retries=2,
       retry_delay_seconds=5, retry_condition_fn=transient)
 def prepare_task(data_config: dict, out_dir: str, config: ExperimentConfig) -> dict:
-    return grpo.pipeline.stages.cached_prep(config)
+    return grpo.pipeline.stages.cached_prep(config, Path(out_dir))  # out_dir: prep_flow already hashed the source
 
 
 @flow(name="grpo-prep", flow_run_name="prep")
@@ -79,7 +79,7 @@ def prep_flow(config: ExperimentConfig) -> dict:
 
 @task(name="write-plan", cache_key_fn=_cached_dir_key("plan", PLAN_CODE), persist_result=True)
 def plan_task(plan_key: str, data_dir: str, out_dir: str, config: ExperimentConfig, data_hash: str) -> dict:
-    return grpo.pipeline.stages.cached_plan(config, data_dir, data_hash)
+    return grpo.pipeline.stages.cached_plan(config, data_dir, data_hash, Path(out_dir))
 
 
 @flow(name="grpo-plan", flow_run_name="plan")

@@ -10,11 +10,11 @@ from typing import Any
 
 from grpo.config import ExperimentConfig
 from grpo.pipeline import stages
-from grpo.pipeline.recipe import run_recipe, write_summary
+from grpo.pipeline.recipe import run_recipe
 from grpo.pipeline.tracking import MlflowCallback, MlflowTracker
 from grpo.runs import RunDir
 
-__all__ = ["LocalStages", "run_experiment", "write_summary"]
+__all__ = ["LocalStages", "run_experiment"]
 
 
 class LocalStages:

@@ -35,9 +35,10 @@ def prep_stage(cfg: ExperimentConfig, out_dir: Path) -> dict[str, Any]:
     return {**result.stats, "data_dir": str(out_dir)}
 
 
-def cached_prep(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The prep stage into its content-addressed directory, or the stats of the complete output already there."""
-    out_dir = prep_dir_for(cfg)
+def cached_prep(cfg: ExperimentConfig, out_dir: Path | None = None) -> dict[str, Any]:
+    """The prep stage into its content-addressed directory, or the stats of the complete output already there.
+    ``out_dir``: that directory when the caller has it already (:func:`prep_dir_for` hashes the source file)."""
+    out_dir = Path(out_dir) if out_dir is not None else prep_dir_for(cfg)
     with locked(out_dir):
         stats = out_dir / "stats.json"
         if stats.is_file():
@@ -70,10 +71,11 @@ def plan_stage(cfg: ExperimentConfig, data_dir: Path, out_dir: Path, tokenizer=N
     return {**summary.to_dict(), "plan_path": str(out_dir / "plan.parquet")}
 
 
-def cached_plan(cfg: ExperimentConfig, data_dir: str | Path, content_hash: str) -> dict[str, Any]:
+def cached_plan(cfg: ExperimentConfig, data_dir: str | Path, content_hash: str, out_dir: Path | None = None
+                ) -> dict[str, Any]:
     """The plan stage into its content-addressed directory (tokenizer loaded here for a hub/local model), or the
-    summary of the complete plan already there."""
-    out_dir = plan_dir_for(cfg, content_hash)
+    summary of the complete plan already there. ``out_dir``: that directory when the caller has it already."""
+    out_dir = Path(out_dir) if out_dir is not None else plan_dir_for(cfg, content_hash)
     with locked(out_dir):
         summary = out_dir / "plan.json"
         if summary.is_file():

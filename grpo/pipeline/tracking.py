@@ -117,13 +117,12 @@ def numeric_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     clean: dict[str, float] = {}
     for key, value in metrics.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
-                value = value.item()  # 0-d tensor / numpy scalar
-            else:
+            if not (hasattr(value, "item") and getattr(value, "ndim", 1) == 0):
                 continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(float(value)):
-            continue
-        clean[key] = float(value)
+            value = value.item()  # 0-d tensor / numpy scalar
+        value = float(value)
+        if not math.isnan(value):
+            clean[key] = value
     return clean
 
 
