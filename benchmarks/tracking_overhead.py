@@ -178,7 +178,7 @@ def _tracking_overhead(root: Path, opts: Settings) -> dict:
 
             tracker.log_metrics = timed_log_metrics  # instance attribute: the callback's calls go through here
             # The background threads' own CPU time (time.thread_time inside the thread that runs them).
-            tracker._sender = _thread_timed(tracker._sender, bg["sender"], sender_profiler)
+            tracker._spool.send = _thread_timed(tracker._spool.send, bg["sender"], sender_profiler)
             if tracker._sys_monitor is not None:
                 mon = tracker._sys_monitor
                 mon.collect_metrics = _thread_timed(mon.collect_metrics, bg["system"])

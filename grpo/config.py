@@ -396,6 +396,9 @@ class AsyncSection(_Section):
     reroll_buffer_size: int = Field(256, ge=1, description="Failed prompts kept for re-roll; the oldest are dropped.")
     skip_zero_advantage_batches: bool = False
     """Skip forward/backward of micro-batches whose advantages are all zero (ranks agree)."""
+    compact_zero_advantage: bool = True
+    """Run each micro-batch's forward/backward on its non-zero-advantage completions only, the loss kept on the full
+    batch's normaliser (exact, every loss type); with grpo.beta > 0 or an entropy option it computes every completion."""
 
 
 class EvaluationConfig(_Section):

@@ -41,6 +41,7 @@ OPTIONS: dict[str, list[Any]] = {
     "replay": [False, True],
     "reroll": [False, True],
     "skip": [False, True],
+    "compact": [False, True],  # async.compact_zero_advantage (on by default; the matrix's plain row has it off)
     "chunks": [1, 2, 4],
     "balancing": [False, True],
     "streaming": [False, True],
@@ -95,6 +96,8 @@ def neutral_options(row: Row, world: int) -> list[str]:
         out.append("skip")
     if row["streaming"]:
         out.append("streaming")
+    if row["compact"]:  # exact where it compacts, the full batch where it falls back (beta > 0, entropy options)
+        out.append("compact")
     # Moving groups between ranks changes the maths where a rank's own batch is a normaliser: bnpo divides by the
     # rank's token count, top_entropy_quantile takes its threshold over the rank's micro-batch (TRL's semantics).
     # Balancing is exact per generation round: when one optimizer step takes only part of a round's micro-batches
@@ -106,7 +109,7 @@ def neutral_options(row: Row, world: int) -> list[str]:
     return out
 
 
-_OFF = {"chunks": 1, "skip": False, "streaming": False, "balancing": False}
+_OFF = {"chunks": 1, "skip": False, "compact": False, "streaming": False, "balancing": False}
 
 
 def reference(row: Row, neutral: list[str]) -> Row:
@@ -142,6 +145,7 @@ def config_dict(row: Row, world: int, steps: int, timeout_s: int) -> dict:
         "replay_buffer_size": 4 if row["replay"] else 0,
         "reroll_start_fraction": 0.0 if row["reroll"] else 1.0,
         "skip_zero_advantage_batches": row["skip"],
+        "compact_zero_advantage": row["compact"],
         "streaming_partial_batch": row["streaming"],
         "use_data_producer": row["async"],
         "vllm_importance_sampling_correction": row["is_mode"] != "off",
@@ -161,6 +165,9 @@ PROBES: dict[str, Row] = {
     "item2_skip_last_micro_step": {**BASE, "skip": True, "ga": 2},  # round 1 (the window's last micro-step) skipped
     "item8_chunks_sync_once": {**BASE, "chunks": 2, "ga": 2, "spg": 2},
     "issue_cli_combo": {**BASE, "replay": True, "skip": True, "chunks": 2, "balancing": True, "ga": 2, "spg": 2},
+    # issue #13.1: round 1 (flat everywhere; the first step's synchronising micro-step) and round 2 (flat on rank 1
+    # only) leave a rank only zero-advantage rows to compute, in 2 chunks
+    "compact_rank_without_signal": {**BASE, "compact": True, "chunks": 2, "ga": 2},
 }
 
 
@@ -331,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                           seconds=round(result["seconds"], 2),
                           replaced=_metric_total(probe.logs, "replay_buffer_replacements"),
                           skipped=_metric_total(probe.logs, "skipped_zero_adv_batches"),
+                          compacted=_metric_total(probe.logs, "compaction/rows_skipped_frac"),
                           rerolled=_metric_total(probe.logs, "reroll_injected"))
             neutral = neutral_options(row, world)
             if neutral:

@@ -85,3 +85,55 @@ def test_two_process_async_training_neither_hangs_nor_shares_data(tmp_path):
         a = calls[0][2 * step] + calls[0][2 * step + 1]
         b = calls[1][2 * step] + calls[1][2 * step + 1]
         assert not set(a) & set(b)
+
+
+def test_sync_interval_and_prefetch_depth_set_the_rollouts_policy_versions(tmp_path):
+    """``vllm_sync_interval`` 2: weights reach the generator only after even optimizer steps. ``prefetch_depth`` 2:
+    at step r the rounds r+1 and r+2 are already submitted. Requests and weights go down one FIFO pipe, so the
+    version of each round is fixed: rounds 0-2 are sampled by the first weights (round 0 generated now, 1 and 2
+    submitted at step 0); round k >= 3 was submitted at step k-2, after the pushes of steps 2, 4, .. <= k-2. A
+    round trained at step k has version k - staleness."""
+    run, summary, rows = async_run(tmp_path, "sync2-depth2", **{
+        "async.vllm_sync_interval": 2, "async.prefetch_depth": 2, "async.max_staleness": 3})
+    assert summary["steps"] == 8
+    staleness = [r["async/staleness_max"] for r in rows if "async/staleness_max" in r]
+    versions = [step - int(s) for step, s in enumerate(staleness)]
+    # interval 1 would give [0, 0, 0, 1, 2, 3, 4, 5]; depth 1 would give [0, 0, 0, 2, 2, 4, 4, 6]
+    assert versions == [0, 0, 0, 0, 2, 2, 4, 4], versions
+    assert sum(r.get("async/dropped_stale", 0) for r in rows) == 0
+
+
+def test_a_dead_generator_fails_the_trainer_with_a_clear_error(tmp_path):
+    """The generator process killed mid-run (after it was sent the prefetched round): the trainer's next round
+    raises an error naming the generator process, within the producer's liveness poll, instead of waiting for a
+    round that never comes (or failing with a bare pipe error)."""
+    import signal
+
+    import torch
+
+    from grpo.pipeline.data import load_data
+    from grpo.rewards import get_reward
+    from grpo.training.policy import load_policy
+    from grpo.training.train import grpo_args
+    from grpo.training.trainer import GRPOTrainer
+
+    cfg = load_config(MICRO, micro_overrides(tmp_path, **{
+        "async.use_data_producer": "true", "async.async_prefetch": "true", "evaluation.enabled": "false"}))
+    data = load_data(cfg)
+    policy = load_policy(cfg, data, log=lambda *_: None)
+    trainer = GRPOTrainer(model=policy.model, processing_class=policy.tokenizer,
+                          reward_funcs=[get_reward(n) for n in cfg.grpo.reward_funcs],
+                          args=grpo_args(cfg, tmp_path / "out"), train_dataset=data["train"], experiment=cfg)
+    try:
+        trainer.model.train()
+        torch.manual_seed(0)
+        rows = [r for r in list(trainer.train_dataset)[:4] for _ in range(trainer.num_generations)]
+        trainer.assemble_generation_batch(rows)  # round 0, and round 1 submitted ahead
+        producer = trainer._producer
+        assert producer.in_flight == 1
+        os.kill(producer._proc.pid, signal.SIGKILL)
+        trainer.state.global_step = 1  # the next round: the prefetched one, which the dead process never returns
+        with pytest.raises(RuntimeError, match=r"generator process died .*waiting for round"):
+            trainer.assemble_generation_batch(rows)
+    finally:
+        trainer.close_producer()

@@ -87,6 +87,20 @@ def _trl_parity(r: dict) -> None:
     assert r["completions_per_step"] == 64  # smoke: 8 prompts x 8 completions
 
 
+def _time_to_accuracy(r: dict) -> None:
+    # smoke: target 0.0, so both runs reach it at their first evaluation (step 1) and stop there
+    assert [run["trainer"] for run in r["runs"]] == ["ours", "trl"] and r["seeds"] == 1
+    for run in r["runs"]:
+        assert [e[0] for e in run["evals"]] == [1] and run["steps_to_target"] == 1, run
+        assert _finite(run["train_s_to_target"], 1e-4) and _finite(run["final_accuracy"], 0, 1), run
+    assert r["runs"][0]["compaction_rows_skipped_frac"] is not None  # ours logs compaction; TRL does not
+    assert r["runs"][1]["compaction_rows_skipped_frac"] is None
+    assert r["ours_steps_to_target"] == r["trl_steps_to_target"] == 1
+    assert _finite(r["ratio_time_to_target_ours_over_trl"], 0.01, 100)
+    assert _finite(r["ratio_step_time_ours_over_trl"], 0.01, 100)
+    assert r["eval_prompts"] == 16 and r["completions_per_step"] == 64
+
+
 CHECKS: dict[str, Callable[[dict], None]] = {
     "async_overlap": _async_overlap,
     "balance": _balance,
@@ -94,6 +108,7 @@ CHECKS: dict[str, Callable[[dict], None]] = {
     "plan": _plan,
     "reward_pool": _reward_pool,
     "tracking_overhead": _tracking_overhead,
+    "time_to_accuracy": _time_to_accuracy,
     "trl_parity": _trl_parity,
 }
 FAST = {"balance", "reward_pool"}  # seconds; the others train, start servers or plan in a subprocess

@@ -93,3 +93,22 @@ def test_help_reads_as_a_person_expects(command):
     assert "<bool>" not in out and "list[" not in out and "``" not in out, out
     if command == "run":
         assert re.search(r"--resume\s+Continue", out) and re.search(r"--set\s+-s\s+KEY=VALUE", out), out
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--schedule", "61 * * * *"], "--schedule '61 * * * *': Invalid cron string"),
+        (["--schedule", "* * * *"], "--schedule '* * * *': Invalid cron string"),
+        (["--schedule", "0 2 * * *", "--timezone", "Mars/Base"], "--timezone 'Mars/Base': Invalid timezone"),
+    ],
+)
+def test_serve_with_an_invalid_cron_is_one_line_exit_2_before_connecting(tmp_path, args, fragment):
+    """A bad --schedule (validated as Prefect's CronSchedule does) names the option and the value, before any server
+    is contacted: nothing answers at PREFECT_API_URL here, and that must not be the error reported."""
+    result = subprocess.run([sys.executable, "-m", "grpo.app.cli", "serve", *args], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"})
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert fragment in lines[0], lines[0]
+    assert "Traceback" not in result.stderr + result.stdout and "serving" not in result.stdout

@@ -165,9 +165,28 @@ def test_compose_file_is_valid_and_complete(tmp_path):
     assert any(a.startswith("--artifacts-destination=s3://") for a in services["mlflow"]["command"])
     assert services["cpu-worker"]["environment"]["PREFECT_API_URL"] == "http://prefect-server:4200/api"
 
+    # The Compose Specification's own JSON schema (tests/data/compose-spec.json, vendored): what `docker compose
+    # config` checks first, without a Docker CLI.
+    errors = compose_schema_errors(compose)
+    assert not errors, errors
+    broken = {**compose, "services": {**services, "mlflow": {**services["mlflow"], "restart": ["always"],
+                                                             "healthcheck": {"interval": 5}}}}
+    assert len(compose_schema_errors(broken)) == 2  # the schema does catch a wrong type and a wrong field
+
+
+def compose_schema_errors(compose: dict) -> list[str]:
+    import jsonschema
+
+    schema = json.loads((REPO / "tests" / "data" / "compose-spec.json").read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose)]
+
+
+def test_compose_file_resolves_with_the_compose_cli(tmp_path):
+    """`docker compose config` where a Compose CLI exists (none on this machine: the schema test above runs here)."""
     cli = _compose_cli()
     if cli is None:
-        pytest.skip("no docker compose CLI: checked the YAML structure only")
+        pytest.skip("no docker compose CLI (the Compose schema check runs in test_compose_file_is_valid_and_complete)")
     path = INFRA / "compose.yaml"
     if cli[-1].endswith("docker-compose"):  # Compose v1 predates the top-level `name` of the Compose spec
         path = tmp_path / "compose.yaml"
@@ -374,6 +393,11 @@ def sweep_worker_boom(completions, **kwargs):
 """
 
 
+def by_trial_id(by_trial: dict, run_id: str) -> int:
+    [trial] = [i for i, c in by_trial.items() if c.info.run_id == run_id]
+    return trial
+
+
 def _max_overlap(intervals: list[tuple[int, int]]) -> int:
     events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals], key=lambda x: (x[0], x[1]))
     running = peak = 0
@@ -440,6 +464,11 @@ def test_sweep_triggered_through_the_api_runs_on_a_process_worker(prefect_server
     assert dashboard == [result["dashboard"]["artifact"]] and dashboard[0].endswith(".html"), result["dashboard"]
     version = client.get_model_version_by_alias(model_name, "best")
     assert version.run_id == by_trial[result["best"]["trial"]].info.run_id
+    # "best" is the largest eval_accuracy_after among the completed trials, read from each trial's own summary
+    scores = {r["trial"]: json.loads((Path(r["run_dir"]) / "summary.json").read_text())["eval_accuracy_after"]
+              for r in records if r["status"] == "completed"}
+    best_trial = int(by_trial_id(by_trial, version.run_id))
+    assert best_trial in scores and scores[best_trial] == max(scores.values()), (best_trial, scores)
 
     subflows = s.post("flow_runs/filter", {"flow_runs": {"name": {"any_": ["sw-t000", "sw-t001", "sw-t002",
                                                                          "sw-t003"]}}, "limit": 20}).json()

@@ -117,6 +117,16 @@ def test_chunked_backward_synchronises_once_per_optimizer_step(two_processes):
     assert record["neutral_rel"] < REL
 
 
+def test_compaction_when_a_rank_has_no_signal_keeps_ranks_in_sync(two_processes):
+    """Issue #13.1: compaction leaves a rank only zero-advantage rows (round 1 on both ranks, the window's last
+    micro-step; round 2 on rank 1 only); every rank still computes and synchronises, and the first step equals the
+    uncompacted, unchunked one."""
+    record = _record(two_processes, "compact_rank_without_signal")
+    assert record["compacted"] > 0
+    assert all(len(set(h)) == 1 for h in record["hashes"]), record["hashes"]
+    assert record["neutral_rel"] < REL
+
+
 # ---------------------------------------------------------------------------------------------- the matrix
 
 

@@ -151,7 +151,8 @@ def test_trl_hooks_are_listed_once_and_exist_in_the_pinned_trl():
     from grpo.training.trainer import TESTED_TRL_VERSION, TRL_HOOKS, GRPOTrainer
 
     assert trl.__version__ == TESTED_TRL_VERSION
-    overridden = {name for name, value in vars(GRPOTrainer).items()
+    ours = GRPOTrainer.__mro__[:GRPOTrainer.__mro__.index(trl.GRPOTrainer)]  # the class and its feature mixins
+    overridden = {name for cls in ours for name, value in vars(cls).items()
                   if callable(value) and hasattr(trl.GRPOTrainer, name)}
     assert overridden == set(TRL_HOOKS), "list every overridden TRL method in grpo.training.trainer.TRL_HOOKS, with why"
     for name in TRL_HOOKS:

@@ -34,9 +34,15 @@ def test_tiny_policy_builds_offline_learns_format_and_is_cached(tmp_path):
     first = load_policy(cfg, data, log=lambda *_: None)
     assert not first.cached and len(first.warm_start_losses) == 150
     assert first.warm_start_losses[-1] < first.warm_start_losses[0] * 0.7
-    result = evaluate_policy(first.model, first.tokenizer, list(data["eval"]["prompt"]), list(data["eval"]["answer"]),
-                             exact_match, max_new_tokens=4, pass_k=4)
-    assert 0.0 <= result.accuracy <= 1.0 and 0.0 <= result.pass_at_k <= 1.0
+    prompts, answers = list(data["eval"]["prompt"]), list(data["eval"]["answer"])
+    result = evaluate_policy(first.model, first.tokenizer, prompts, answers, exact_match, max_new_tokens=4, pass_k=4,
+                             num_samples_to_keep=len(prompts))
+    # accuracy is the fraction of greedy completions that exactly match their answer (checked here, not by the code)
+    assert [s["prompt"] for s in result.samples] == prompts and [s["answer"] for s in result.samples] == answers
+    hits = [s["completion"].strip() == str(s["answer"]).strip() for s in result.samples]
+    assert [s["correct"] for s in result.samples] == hits
+    assert result.accuracy == pytest.approx(sum(hits) / len(prompts)) and result.num_prompts == len(prompts) == 100
+    assert 0.0 <= result.pass_at_k <= 1.0  # pass@k's arithmetic: tests/test_evaluation.py, with known hits
     completions = [s["completion"] for s in result.samples]
     assert sum(c.isdigit() for c in completions) >= len(completions) // 2  # the warm start taught the format
 

@@ -8,7 +8,7 @@ from grpo.config import load_config
 from grpo.pipeline.data import load_data
 from grpo.rewards import get_reward, register_reward
 from grpo.training.policy import load_policy
-from grpo.training.replay import ReplayBuffer, RerollBuffer, group_advantages, inject_rerolls, place_group
+from grpo.algo.replay import ReplayBuffer, RerollBuffer, group_advantages, inject_rerolls, nan_std, place_group
 from grpo.training.train import grpo_args
 from grpo.training.trainer import GRPOTrainer
 from tests.conftest import MICRO, micro_overrides
@@ -39,6 +39,16 @@ def test_group_advantages_leave_unscorable_completions_out_like_trl():
     assert torch.allclose(adv, torch.tensor([1.1546, -0.5773, 0.0, -0.5773]), atol=1e-3), adv
     assert torch.equal(group_advantages(torch.tensor([1.0, 1.0, 1.0, NAN]), "group"), torch.zeros(4))
     assert torch.allclose(group_advantages(torch.tensor([2.0, 0.0, NAN, 1.0]), "none"), torch.tensor([1.0, -1.0, 0, 0]))
+
+
+def test_nan_std_equals_trls_nanstd():
+    """grpo.algo stays free of TRL, so it has its own NaN-aware std: it must equal TRL's (advantages depend on it)."""
+    from trl.trainer.utils import nanstd
+
+    x = torch.tensor([[1.0, 2.0, float("nan"), 4.0], [float("nan")] * 3 + [1.0], [3.0] * 4, [0.5, -1.0, 2.0, 7.0]])
+    ours, theirs = nan_std(x, dim=1), nanstd(x, dim=1)
+    assert torch.equal(torch.isnan(ours), torch.isnan(theirs)) and torch.isnan(ours[1])
+    assert torch.allclose(ours.nan_to_num(-1.0), theirs.nan_to_num(-1.0))
 
 
 def test_replay_buffer_keeps_the_best_and_samples_by_score():
@@ -157,3 +167,39 @@ def test_replay_with_unscorable_completions_matches_trl(tmp_path):
     batch = trainer.assemble_generation_batch(rows_starting_with(trainer, "13579", 2))
     assert trainer._metrics["train"]["replay_buffer_replacements"][-1] == 2
     assert torch.allclose(batch["advantages"].view(2, 4), trl, atol=1e-5)
+
+
+def completion_logps(model, batch, rows: slice, temperature: float) -> torch.Tensor:
+    """Per-token log-probs of the batch's completions under ``model``: one plain forward, written out here."""
+    ids = torch.cat([batch["prompt_ids"][rows], batch["completion_ids"][rows]], 1)
+    mask = torch.cat([batch["prompt_mask"][rows], batch["completion_mask"][rows]], 1)
+    width = batch["completion_ids"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, -width - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"][rows].unsqueeze(-1)).squeeze(-1)
+
+
+def test_replayed_groups_get_old_logps_recomputed_by_the_current_model(tmp_path):
+    """``async.replay_recompute_logps``: a replayed group was sampled (and its old log-probs computed) by an older
+    policy; after the weights moved, its old log-probs in the new batch are a fresh forward of the current model."""
+    # num_iterations 2: TRL keeps old_per_token_logps in the batch (several passes over one generation batch)
+    trainer = make_trainer(tmp_path, **{"async.replay_buffer_size": 4, "grpo.num_iterations": 2})
+    assert trainer.experiment.async_.replay_recompute_logps  # the default
+    torch.manual_seed(0)
+    first = trainer.assemble_generation_batch(rows_starting_with(trainer, "2468", 4))  # buffered with old logps
+    assert "old_per_token_logps" in first
+    before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    with torch.no_grad():  # the policy moves on (as after optimizer steps)
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+
+    batch = trainer.assemble_generation_batch(rows_starting_with(trainer, "13579", 4))  # every group replaced
+    assert trainer._metrics["train"]["replay_buffer_replacements"][-1] == 4
+    rows = slice(0, batch["completion_ids"].shape[0])
+    mask = batch["completion_mask"][rows].bool()
+    got = batch["old_per_token_logps"][rows][mask]
+    fresh = completion_logps(trainer.model, batch, rows, trainer.temperature)[mask]
+    trainer.model.load_state_dict(before)  # (a deepcopy of the model would still run the trainer's wrapped forward)
+    stale = completion_logps(trainer.model, batch, rows, trainer.temperature)[mask]
+    assert (fresh - stale).abs().max() > 1e-2  # the weights really moved: the buffered log-probs are out of date
+    assert torch.allclose(got, fresh, atol=1e-5), (got - fresh).abs().max()

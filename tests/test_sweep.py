@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
@@ -192,8 +193,10 @@ def test_cli_sweep_prints_the_parent_run_and_the_dashboard(tmp_path, mlflow_serv
     sets = [f"output_dir={tmp_path / 'runs'}", "tracking.backend=mlflow", "grpo.max_steps=2", "grpo.save_steps=100", "evaluation.enabled=false",
             f"tracking.tracking_uri={mlflow_server.uri}", "tracking.experiment_name=cli-sweep",
             "tracking.log_system_metrics=false"]
+    # --direction minimize on a metric that differs between trials (their wall time): the best is the smallest
     result = subprocess.run([sys.executable, "-m", "grpo.app.cli", "sweep", "--config", str(MICRO), "--space",
-                             str(tmp_path / "space.yaml"), "--name", "lr", *(a for s in sets for a in ("--set", s))],
+                             str(tmp_path / "space.yaml"), "--name", "lr", "--metric", "wall_seconds",
+                             "--direction", "minimize", *(a for s in sets for a in ("--set", s))],
                             cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     parent = MlflowClient(mlflow_server.uri).search_runs(
@@ -202,3 +205,16 @@ def test_cli_sweep_prints_the_parent_run_and_the_dashboard(tmp_path, mlflow_serv
     out = result.stdout
     assert f"mlflow parent run: {parent} (compare again: grpo dashboard --experiment cli-sweep --sweep {parent}" in out
     assert f"dashboard: {tmp_path / 'runs' / 'lr' / 'dashboard.html'} (comparison, logged to MLflow as dashboard/" in out
+
+    # the best trial (tagged on the parent, registered with alias "best") has the smallest wall_seconds of the
+    # completed trials, read from each trial's own summary.json
+    trials = json.loads((tmp_path / "runs" / "lr" / "sweep.json").read_text())["trials"]
+    seconds = {t["mlflow_run_id"]: json.loads((Path(t["run_dir"]) / "summary.json").read_text())["wall_seconds"]
+               for t in trials if t["status"] == "completed"}
+    assert len(seconds) == 2, seconds
+    client = MlflowClient(mlflow_server.uri)
+    tags = client.get_run(parent).data.tags
+    assert seconds[tags["grpo.sweep.best_run_id"]] == min(seconds.values()), (tags, seconds)  # ties: either is right
+    if "grpo.sweep.registered_model" in tags:
+        version = client.get_model_version(tags["grpo.sweep.registered_model"], tags["grpo.sweep.registered_version"])
+        assert version.run_id == tags["grpo.sweep.best_run_id"]

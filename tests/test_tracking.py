@@ -159,9 +159,9 @@ def test_resume_same_run_no_gaps_no_duplicates(mlflow_server, make_tracker, tmp_
     for s in range(10):
         first.log_metrics({"loss": 10 - s, "reward": s}, step=s)
     assert first.flush(timeout=10)
-    first._stop.set()  # the sender thread "dies" with the process: it exits without sending anything new
-    first._wake.set()
-    first._thread.join(timeout=10)
+    first._spool._stop.set()  # the sender thread "dies" with the process: it exits without sending anything new
+    first._spool._wake.set()
+    first._spool._thread.join(timeout=10)
     for s in range(10, 15):
         first.log_metrics({"loss": 10 - s, "reward": s}, step=s)
     assert history_steps(client, run_id, "loss") == list(range(10))
@@ -268,7 +268,9 @@ def test_embedded_sqlite_default(make_tracker, tmp_path, monkeypatch):
 
 def test_batches_respect_mlflow_limit_and_line_boundaries():
     lines = [(10, ["a"] * 600), (20, ["b"] * 300), (30, ["c"] * 2500), (40, []), (50, ["d"] * 5)]
-    out = list(MlflowTracker._batches(lines))
+    from grpo.pipeline.spool import Spool
+
+    out = list(Spool.batches(lines, 1000))
     assert all(len(batch) <= 1000 for _, batch in out)
     assert [(end, len(batch)) for end, batch in out] == [(20, 900), (None, 1000), (None, 1000), (50, 505)]
     assert sum(len(b) for _, b in out) == 3405

@@ -49,13 +49,21 @@ def test_default_task_mean_reward_rises(tmp_path):
     assert (run.model_dir / "config.json").is_file() and run.config_file.is_file()
 
 
-def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path):
-    """Kill training after its first checkpoint; ``--resume`` continues there, the step sequence is continuous and
-    the prompts after the resume are exactly the sampler plan's next rounds."""
+def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path, mlflow_server):
+    """Kill training (SIGKILL to the CLI and its temporary Prefect server) after its first checkpoint; ``--resume``
+    continues there into the same MLflow run, the step sequence is continuous locally and in MLflow (nothing missing,
+    nothing twice), the console stays readable, and the prompts after the resume are exactly the sampler plan's next
+    rounds."""
+    from mlflow import MlflowClient
+
+    from tests.test_pipeline import assert_readable_console
+
     recorder = write_prompt_recorder(tmp_path)
     overrides = micro_overrides(tmp_path, **{"grpo.max_steps": 40, "grpo.save_steps": 8, "grpo.logging_steps": 4,
                                              "evaluation.enabled": "false",
-                                             "grpo.reward_funcs": "[exact_match_recorded]"})
+                                             "grpo.reward_funcs": "[exact_match_recorded]",
+                                             "tracking.backend": "mlflow", "tracking.tracking_uri": mlflow_server.uri,
+                                             "tracking.experiment_name": "killed-resume"})
     cmd = [sys.executable, "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "killed", "--reward-module",
            str(recorder)]
     for item in overrides:
@@ -77,6 +85,7 @@ def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    first_run_id = json.loads((run.path / "tracking_spool" / "state.json").read_text())["run_id"]
     killed_at = run.latest_checkpoint()
     assert killed_at is not None and int(killed_at.name.split("-")[1]) < 40
     assert not run.summary_file.exists()
@@ -86,6 +95,10 @@ def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     summary = json.loads(run.summary_file.read_text())
     assert summary["steps"] == 40 and summary["resumed_from"].endswith(killed_at.name)
+    assert summary["mlflow_run_id"] == first_run_id
+    mlflow_steps = [m.step for m in MlflowClient(mlflow_server.uri).get_metric_history(first_run_id, "reward")]
+    assert mlflow_steps == list(range(4, 41, 4))
+    assert_readable_console(resumed.stdout + resumed.stderr, steps=40)
 
     steps = [row["step"] for row in read_metrics(run) if "reward" in row["metrics"]]
     resumed_from = int(killed_at.name.split("-")[1])

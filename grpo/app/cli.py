@@ -399,6 +399,8 @@ def serve(
     if limit < 1:
         _fail(f"--limit {limit}: must be >= 1")
     try:
+        if schedule is not None:  # a bad cron is the user's error whether or not a server answers: say it first
+            serving.check_cron(schedule, timezone)
         url = serving.check_server()
         deployments = serving.build_deployments(name, config, schedule, schedule_flow, timezone)
     except GRPOPlatformError as err:

@@ -72,6 +72,8 @@ def check_server(timeout: float = 5.0) -> str:
 
 
 def check_cron(cron: str, timezone: str | None = None) -> None:
+    """Validate ``--schedule`` / ``--timezone`` as Prefect's ``CronSchedule`` (croniter) does; :class:`ServeError`
+    naming the option and its value otherwise. Needs no server: ``grpo serve`` calls it before connecting."""
     from pydantic import ValidationError
     from prefect.client.schemas.schedules import CronSchedule
 
@@ -79,7 +81,8 @@ def check_cron(cron: str, timezone: str | None = None) -> None:
         CronSchedule(cron=cron, timezone=timezone or "UTC")
     except ValidationError as err:
         first = err.errors()[0]
-        raise ServeError(f"--schedule {cron!r}: {first['msg'].removeprefix('Value error, ')}") from None
+        option, value = ("--timezone", timezone) if first["loc"][:1] == ("timezone",) else ("--schedule", cron)
+        raise ServeError(f"{option} {value!r}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
 def config_parameter(config_path: Path | str | None) -> dict:

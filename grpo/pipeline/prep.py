@@ -208,13 +208,22 @@ def content_hash(tables: dict[str, pyarrow.Table]) -> str:
 def source_fingerprint(cfg: DataConfig) -> dict[str, Any]:
     """What identifies the source's *contents*, for cache keys: a path string alone would let an edited file be
     served from the cache of its old contents. Local files: size, mtime and a sha256 of the bytes (the hash decides;
-    size and mtime make the record readable). Hub sources: the revision the local hub cache resolves ``main`` to
-    (None before the first download, so the key settles once the data is cached). Synthetic: the config says all."""
+    size and mtime make the record readable). ``hub:<local folder>``: the same for every file in the folder. Hub
+    datasets: the commit the local hub cache resolves ``main`` to, or, before the first download, the hub's current
+    commit (so the key is never "unknown": a key without a revision would serve one download's rows for every later
+    revision). Synthetic: the config says all."""
     if cfg.synthetic:
         return {}
     if cfg.source.startswith("hub:"):
-        return {"revision": _hub_revision(cfg.source[4:])}
-    path = Path(cfg.source)
+        target = cfg.source[4:]
+        if Path(target).is_dir():
+            files = sorted(p for p in Path(target).rglob("*") if p.is_file() and ".cache" not in p.parts)
+            return {"files": {str(p.relative_to(target)): _file_fingerprint(p) for p in files}}
+        return {"revision": _hub_revision(target, cfg.source)}
+    return _file_fingerprint(Path(cfg.source))
+
+
+def _file_fingerprint(path: Path) -> dict[str, Any]:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -223,11 +232,21 @@ def source_fingerprint(cfg: DataConfig) -> dict[str, Any]:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": h.hexdigest()}
 
 
-def _hub_revision(dataset_id: str) -> str | None:
-    from huggingface_hub.constants import HF_HUB_CACHE
+def _hub_revision(dataset_id: str, source: str) -> str:
+    from huggingface_hub.constants import HF_HUB_CACHE, HF_HUB_OFFLINE
 
     ref = Path(HF_HUB_CACHE) / f"datasets--{dataset_id.replace('/', '--')}" / "refs" / "main"
-    return ref.read_text().strip() if ref.is_file() else None
+    if ref.is_file():
+        return ref.read_text().strip()
+    if HF_HUB_OFFLINE:
+        raise DataError(f"data.source {source!r}: not in the local hub cache ({HF_HUB_CACHE}) and HF_HUB_OFFLINE is "
+                        "set: download it once with network access, or use a local file or folder")
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().dataset_info(dataset_id).sha
+    except Exception as err:  # network, auth, unknown id: all user-facing
+        raise DataError(f"data.source {source!r}: could not reach the hub to resolve its revision: {err}") from None
 
 
 # ---------------------------------------------------------------- loading raw rows

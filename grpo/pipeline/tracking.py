@@ -1,6 +1,7 @@
 """Experiment tracking with MLflow: one run per pipeline run, metrics buffered on disk and sent in the background.
 
-How a metric travels (``MlflowTracker.log_metrics``):
+This module holds the MLflow semantics (runs, params, dedup on resume, key rules, model logging); the generic
+disk spool and its sender thread are :mod:`grpo.pipeline.spool`. How a metric travels (``MlflowTracker.log_metrics``):
 
 1. The caller's thread appends one JSON line ``{"s": step, "t": timestamp_ms, "m": {key: value}}`` to
    ``<spool_dir>/metrics.jsonl`` and returns (microseconds; no network, never raises into training).
@@ -42,12 +43,11 @@ from typing import Any
 from transformers import TrainerCallback
 
 from grpo.errors import GRPOPlatformError
+from grpo.pipeline.spool import Spool, read_state
 
 _log = logging.getLogger(__name__)
 
 SPOOL_DIRNAME = "tracking_spool"
-METRICS_FILE = "metrics.jsonl"
-STATE_FILE = "state.json"
 REJECTED_FILE = "rejected.jsonl"
 
 # MLflow's limits (mlflow.utils.validation in 3.x); read from MLflow when available, these are the fallbacks.
@@ -165,6 +165,13 @@ def _is_http(uri: str) -> bool:
     return uri.startswith(("http://", "https://"))
 
 
+def _parse_spool_line(row: dict) -> list:
+    """A spool line ``{"s": step, "t": timestamp_ms, "m": {key: value}}`` as MLflow ``Metric`` entities."""
+    from mlflow.entities import Metric
+
+    return [Metric(k, float(v), int(row["t"]), int(row["s"])) for k, v in row["m"].items()]
+
+
 def _is_permanent(err: BaseException) -> bool:
     """A 4xx answer other than 429: sending the same batch again can not succeed."""
     from mlflow.exceptions import MlflowException
@@ -225,55 +232,35 @@ class MlflowTracker:
         self.experiment_id: str | None = None
         self.dropped_duplicates = 0  # points skipped because (key, step) was already logged
         self.rejected = 0  # points the server refused permanently (written to rejected.jsonl)
-        self.last_error: str | None = None
 
-        self._lock = threading.Lock()  # spool file, offsets, dedup sets
-        self._sent_cond = threading.Condition(self._lock)
-        self._wake = threading.Event()  # new data waiting
-        self._urgent = threading.Event()  # flush/close requested: skip the backoff wait
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._spool_fh = None
-        self._written = 0  # byte offset of the end of the last complete line in the spool
-        self._sent = 0  # byte offset up to which every line is in MLflow (persisted)
-        self._pending_points = 0
+        self._lock = threading.Lock()  # the dedup sets (the spool has its own lock)
         self._logged: dict[str, set[int]] = {}
         self._keys: dict[str, str] = {}
         self._sys_monitor = None
         self._sys_thread: threading.Thread | None = None
         self._sys_stop = threading.Event()
-        self._sender = None
+        self._spool = Spool(self.spool_dir, parse=_parse_spool_line, is_permanent=_is_permanent,
+                            on_reject=self._reject, max_batch=MAX_METRICS_PER_BATCH, flush_interval=flush_interval,
+                            batch_trigger=batch_trigger, max_backoff=max_backoff, name="mlflow-spool-sender")
 
     # ------------------------------------------------------------------ paths and persisted state
 
     @property
     def spool_file(self) -> Path:
-        return self.spool_dir / METRICS_FILE
+        return self._spool.file
 
     @property
     def state_file(self) -> Path:
-        return self.spool_dir / STATE_FILE
+        return self._spool.state_file
 
-    def _read_state(self) -> dict:
-        try:
-            return json.loads(self.state_file.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return {}
-
-    def _write_state(self, **updates: Any) -> None:
-        state = self._read_state()
-        state.update(updates)
-        tmp = self.state_file.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(state, sort_keys=True))
-        tmp.replace(self.state_file)
+    @property
+    def last_error(self) -> str | None:
+        return self._spool.last_error
 
     @staticmethod
     def saved_run_id(spool_dir: Path) -> str | None:
         """The MLflow run id a previous tracker recorded in ``spool_dir`` (to resume the same run)."""
-        try:
-            return json.loads((Path(spool_dir) / STATE_FILE).read_text()).get("run_id")
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
+        return read_state(spool_dir).get("run_id")
 
     # ------------------------------------------------------------------ start
 
@@ -305,17 +292,10 @@ class MlflowTracker:
         if self.run_id is not None:
             raise TrackingError("MlflowTracker.start called twice; create a new tracker per run")
         self._check_reachable()
-        self.spool_dir.mkdir(parents=True, exist_ok=True)
-        state = self._read_state()
-        old_run = state.get("run_id")
-        self._sent = int(state.get("offset", 0))
-        size = self.spool_file.stat().st_size if self.spool_file.is_file() else 0
-        if self._sent > size:  # crashed between compaction and the cursor write
-            self._sent = 0
-        self._written = self._complete_lines_end(size)
-        if old_run and self._written > self._sent:
+        old_run = self._spool.read_state().get("run_id")
+        if self._spool.recover() and old_run:
             self._drain_leftover(old_run)
-        self._compact()
+        self._spool.compact()
 
         # Experiment and run.
         if run_id is None:
@@ -349,8 +329,8 @@ class MlflowTracker:
             if tags:
                 self._log_batch_sync(run_id, tags=[RunTag(k, _tag_value(v)) for k, v in tags.items()])
         self.run_id = run_id
-        self._write_state(run_id=run_id, experiment_id=self.experiment_id, tracking_uri=self.tracking_uri,
-                          offset=self._sent)
+        self._spool.write_state(run_id=run_id, experiment_id=self.experiment_id, tracking_uri=self.tracking_uri,
+                                offset=0)
 
         # Params: immutable in MLflow, so only the missing ones (a resumed run already has them).
         existing = run.data.params
@@ -371,11 +351,7 @@ class MlflowTracker:
         for key in run.data.metrics:
             self._logged[key] = {m.step for m in self.client.get_metric_history(run_id, key)}
 
-        self._sender = self._make_sender()
-        self._open_spool()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="mlflow-spool-sender", daemon=True)
-        self._thread.start()
+        self._spool.start(self._make_sender())
         if self.log_system_metrics:
             self._start_system_metrics()
         return run_id
@@ -385,22 +361,6 @@ class MlflowTracker:
             self.client.log_batch(run_id, params=chunk)
         for chunk in _chunks(tags or [], MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(run_id, tags=chunk)
-
-    def _complete_lines_end(self, size: int) -> int:
-        """Offset just after the last newline (a torn last line from a crash is ignored and overwritten)."""
-        if size == 0:
-            return 0
-        with self.spool_file.open("rb") as f:
-            pos = size
-            while pos > 0:
-                step = min(4096, pos)
-                f.seek(pos - step)
-                block = f.read(step)
-                nl = block.rfind(b"\n")
-                if nl >= 0:
-                    return pos - step + nl + 1
-                pos -= step
-        return 0
 
     def _drain_leftover(self, old_run: str) -> None:
         """Send what an earlier tracker left in the spool, before anything new is logged.
@@ -415,33 +375,12 @@ class MlflowTracker:
             _log.warning("MLflow run %s of the unsent spool no longer exists; dropping its points", old_run)
             return
         self.run_id = old_run
-        self._sender = self._make_sender()
         try:
-            self._send_pending(raise_transient=True)
+            self._spool.send_pending(self._make_sender(), raise_transient=True)
         except Exception as err:
             raise TrackingError(f"could not send the unsent metrics in {self.spool_file}: {err}") from None
         finally:
             self.run_id = None
-
-    def _compact(self) -> None:
-        """Empty the spool once everything in it is sent (or belongs to a run we no longer send to)."""
-        with self._lock:
-            if self._spool_fh is not None:
-                self._spool_fh.close()
-                self._spool_fh = None
-            self.spool_file.parent.mkdir(parents=True, exist_ok=True)
-            with self.spool_file.open("wb"):
-                pass
-            self._written = self._sent = 0
-            self._write_state(offset=0)
-
-    def _open_spool(self) -> None:
-        with self._lock:
-            if self._spool_fh is None:
-                fh = self.spool_file.open("r+b" if self.spool_file.exists() else "w+b")
-                fh.truncate(self._written)  # drop a torn last line
-                fh.seek(self._written)
-                self._spool_fh = fh
 
     # ------------------------------------------------------------------ logging
 
@@ -462,7 +401,7 @@ class MlflowTracker:
             _log.warning("tracking: could not queue metrics at step %s: %s", step, err)
 
     def _log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
-        if self.run_id is None or self._spool_fh is None:
+        if self.run_id is None or not self._spool.is_open:
             return
         clean = {self._key(key): value for key, value in numeric_metrics(metrics).items()}
         if not clean:
@@ -476,17 +415,8 @@ class MlflowTracker:
                     continue
                 steps.add(step)
                 fresh[key] = value
-            if not fresh:
-                return
-            line = json.dumps({"s": step, "t": int(time.time() * 1000), "m": fresh}) + "\n"
-            data = line.encode()
-            self._spool_fh.write(data)
-            self._spool_fh.flush()
-            self._written += len(data)
-            self._pending_points += len(fresh)
-            trigger = self._pending_points >= self.batch_trigger
-        if trigger:
-            self._wake.set()
+        if fresh:
+            self._spool.append({"s": step, "t": int(time.time() * 1000), "m": fresh}, len(fresh))
 
     # ------------------------------------------------------------------ sending
 
@@ -524,79 +454,6 @@ class MlflowTracker:
 
         return send
 
-    def _read_unsent(self) -> tuple[int, list[tuple[int, list]]]:
-        """Lines between the sent cursor and the written end, as (end offset of the line, [Metric, ...])."""
-        from mlflow.entities import Metric
-
-        with self._lock:
-            start, end = self._sent, self._written
-        if end <= start:
-            return start, []
-        with self.spool_file.open("rb") as f:
-            f.seek(start)
-            raw = f.read(end - start)
-        out = []
-        pos = start
-        for line in raw.split(b"\n")[:-1]:
-            pos += len(line) + 1
-            try:
-                row = json.loads(line)
-                metrics = [Metric(k, float(v), int(row["t"]), int(row["s"])) for k, v in row["m"].items()]
-            except (ValueError, KeyError, TypeError):
-                _log.warning("tracking: skipping a corrupt spool line at offset %d", pos - len(line) - 1)
-                metrics = []
-            out.append((pos, metrics))
-        return start, out
-
-    @staticmethod
-    def _batches(lines: list[tuple[int, list]]) -> Iterator[tuple[int | None, list]]:
-        """Batches of at most MAX_METRICS_PER_BATCH points, each with the offset the cursor may move to after it.
-
-        The cursor only moves to line ends: a line with more points than fit in one batch is split, and its
-        first parts carry ``None`` (resent whole after a crash; MLflow's SQL store ignores exact duplicates).
-        """
-        batch: list = []
-        batch_end: int | None = None
-        for end, metrics in lines:
-            if len(batch) + len(metrics) <= MAX_METRICS_PER_BATCH:
-                batch.extend(metrics)
-                batch_end = end
-                continue
-            if batch:
-                yield batch_end, batch
-            while len(metrics) > MAX_METRICS_PER_BATCH:
-                yield None, metrics[:MAX_METRICS_PER_BATCH]
-                metrics = metrics[MAX_METRICS_PER_BATCH:]
-            batch, batch_end = list(metrics), end
-        if batch or batch_end is not None:
-            yield batch_end, batch
-
-    def _send_pending(self, raise_transient: bool = False) -> bool:
-        """Send everything between the cursor and the written end; False when a transient error stopped it."""
-        _, lines = self._read_unsent()
-        for end, batch in self._batches(lines):
-            if batch:
-                try:
-                    self._sender(batch)
-                except Exception as err:
-                    if not _is_permanent(err):
-                        self.last_error = str(err)
-                        if raise_transient:
-                            raise
-                        return False
-                    self._reject(batch, err)
-            self._advance(end, len(batch))
-        return True
-
-    def _advance(self, offset: int | None, points: int) -> None:
-        with self._lock:
-            self._pending_points = max(0, self._pending_points - points)
-            if offset is None or offset <= self._sent:
-                return
-            self._sent = offset
-            self._write_state(offset=offset)
-            self._sent_cond.notify_all()
-
     def _reject(self, batch: list, err: BaseException) -> None:
         self.rejected += len(batch)
         _log.warning("tracking: MLflow refused %d points (%s); kept in %s", len(batch), err,
@@ -606,57 +463,15 @@ class MlflowTracker:
                 f.write(json.dumps({"key": m.key, "value": m.value, "step": m.step, "timestamp": m.timestamp,
                                     "error": str(err)[:500]}) + "\n")
 
-    def _loop(self) -> None:
-        backoff = 0.0
-        while True:
-            if backoff:
-                self._urgent.wait(backoff)  # new data does not cut a backoff short; flush/close does
-            else:
-                self._wake.wait(self.flush_interval)
-            stopping = self._stop.is_set()
-            self._wake.clear()
-            self._urgent.clear()
-            try:
-                ok = self._send_pending()
-            except Exception as err:  # pragma: no cover - defensive: the thread must survive anything
-                _log.warning("tracking: sender error: %s", err)
-                ok = False
-            if ok:
-                if backoff:
-                    _log.info("tracking: MLflow reachable again, spool sent")
-                backoff = 0.0
-            else:
-                if not backoff:
-                    _log.warning("tracking: MLflow unreachable (%s); buffering metrics in %s",
-                                 self.last_error, self.spool_file)
-                backoff = min(max(backoff * 2, 0.5), self.max_backoff)
-            if stopping:
-                return
-
     def pending(self) -> int:
         """Bytes of the spool not yet in MLflow."""
-        with self._lock:
-            return self._written - self._sent
+        return self._spool.pending()
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until everything logged so far is in MLflow (True) or ``timeout`` seconds pass (False)."""
-        if self.run_id is None or self._thread is None:
+        if self.run_id is None:
             return True
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            target = self._written
-        self._urgent.set()
-        self._wake.set()
-        with self._sent_cond:
-            while self._sent < target:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
-                    return False
-                self._sent_cond.wait(min(left, 0.5))
-                if self._sent < target:
-                    self._urgent.set()  # retry now rather than after the backoff
-                    self._wake.set()
-        return True
+        return self._spool.flush(timeout)
 
     def close(self, status: str = "FINISHED", timeout: float = 30.0) -> bool:
         """Stop system metrics, send what can be sent within ``timeout``, stop the sender.
@@ -668,18 +483,10 @@ class MlflowTracker:
             return True
         self._stop_system_metrics()
         done = self.flush(timeout)
-        self._stop.set()
-        self._urgent.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=max(self.http_timeout + 1, 1))
+        self._spool.stop(join_timeout=max(self.http_timeout + 1, 1))
         done = done or self.pending() == 0
-        with self._lock:
-            if self._spool_fh is not None:
-                self._spool_fh.close()
-                self._spool_fh = None
         if done:
-            self._compact()
+            self._spool.compact()
             if status:
                 try:
                     self.client.set_terminated(self.run_id, status=status)
@@ -688,7 +495,6 @@ class MlflowTracker:
         else:
             _log.warning("tracking: %d bytes of metrics not sent; they stay in %s for the next start",
                          self.pending(), self.spool_file)
-        self._thread = None
         self.run_id = None
         return done
 

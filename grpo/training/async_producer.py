@@ -84,11 +84,27 @@ def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int) -> None:
         conn.send(("result", round_id, version, completions, completion_logps, time.perf_counter() - start))
 
 
+# Generator processes fork from one forkserver per trainer process, which imports torch, transformers and the model
+# code once: the first generator costs those imports (as a spawned one would, ~7 s here), every later one (the next
+# training of an in-process sweep or of the invariant matrix) answers its first round in 0.15 s instead of 7.7 s
+# (measured on this 2-core machine). Forking from the forkserver is safe with torch: it is single-threaded and never
+# ran a kernel; each generator loads its own weights. A generator whose trainer dies sees its pipe close and exits.
+_PRELOAD = ["torch", "transformers", "transformers.models.auto.modeling_auto", "transformers.modeling_utils",
+            "transformers.generation.utils", "transformers.models.llama.modeling_llama",
+            "transformers.models.qwen2.modeling_qwen2"]
+
+
+def _generator_context() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 class AsyncRolloutProducer:
     """Client side of the generator process: submit rounds ahead, collect them in order, push weights."""
 
     def __init__(self, model_dir: str, generation: dict, seed: int, threads: int = 1, start_timeout: float = 120):
-        ctx = mp.get_context("spawn")
+        ctx = _generator_context()
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_worker, args=(child, model_dir, generation, seed, threads), daemon=True)
         self._proc.start()
@@ -125,11 +141,18 @@ class AsyncRolloutProducer:
         while round_id not in self._done:
             left = deadline - time.monotonic()
             if left <= 0 or not self._proc.is_alive():
+                shown = round_id if round_id >= 0 else -1 - round_id
                 raise RuntimeError(
-                    f"generator process {'died' if not self._proc.is_alive() else 'timed out'} waiting for round {round_id}"
+                    f"generator process {'died' if not self._proc.is_alive() else 'timed out'} waiting for round {shown}"
                 )
             if self._conn.poll(min(left, 1.0)):
-                _, rid, version, completions, logps, seconds = self._conn.recv()
+                try:
+                    _, rid, version, completions, logps, seconds = self._conn.recv()
+                except (EOFError, OSError):  # the pipe closed under us: the generator died
+                    self._proc.join(timeout=5)
+                    shown = round_id if round_id >= 0 else -1 - round_id  # negative ids: a round generated again
+                    raise RuntimeError(f"generator process died (exit code {self._proc.exitcode}) waiting for round "
+                                       f"{shown}") from None
                 prompts = self._pending.pop(rid)
                 self._done[rid] = Rollout(rid, version, prompts, completions, logps, seconds)
         return self._done.pop(round_id)

@@ -1,148 +1,107 @@
-"""Replay buffer and deferred re-roll: two ways to keep learning signal in batches where groups carry none.
+"""Replay buffer and deferred re-roll (``async.replay_buffer_size``, ``async.replay_recompute_logps``,
+``async.reroll_start_fraction``, ``async.reroll_max_groups``, ``async.reroll_buffer_size``): the trainer side.
 
-A GRPO group whose completions all get the same reward has zero advantages and teaches nothing. Two remedies
-(the "fast async" toolkit; config names as in axolotl's ``trl:`` block):
-
-* **Replay** (``replay_buffer_size``): groups *with* reward variance are kept in a bounded buffer, ranked by
-  ``sum |advantage| x reward std``; a zero-signal group of a later batch is replaced by a sampled buffered group.
-* **Deferred re-roll** (``reroll_start_fraction``, ``reroll_max_groups``): prompts whose whole group *failed* are
-  kept (bounded; the oldest dropped and counted) and put back into later batches once training is far enough
-  along that the policy may now solve them. They are really re-injected: the prompts are generated for again.
+Groups whose completions all scored the same teach nothing. Re-roll keeps the prompts of wholly failed groups and
+puts them back into a later generation batch (they are generated for again); replay swaps a zero-signal group for
+a buffered group that had signal. The buffers and the group maths live in :mod:`grpo.algo.replay`.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-
-@dataclass(order=True)
-class _Entry:
-    score: float
-    seq: int
-    group: dict[str, Any] = field(compare=False)
+from grpo.algo.replay import ReplayBuffer, RerollBuffer, group_advantages, group_reward_std, inject_rerolls, place_group
 
 
-class ReplayBuffer:
-    """At most ``max_size`` groups, the highest-scoring kept; sampling is proportional to score."""
+class ReplayAndReroll:
+    """Mixin of :class:`grpo.training.trainer.GRPOTrainer`, called from ``assemble_generation_batch``."""
 
-    def __init__(self, max_size: int, seed: int = 0) -> None:
-        if max_size < 1:
-            raise ValueError(f"replay_buffer_size must be >= 1 to use a replay buffer, got {max_size}")
-        self.max_size = max_size
-        self._heap: list[_Entry] = []  # min-heap on score: the weakest entry is evicted first
-        self._seq = itertools.count()
-        self._gen = torch.Generator().manual_seed(seed)
+    def _init_replay(self) -> None:
+        a = self.experiment.async_ if self.experiment is not None else None
+        self._replay = ReplayBuffer(a.replay_buffer_size, seed=self.args.seed) if a and a.replay_buffer_size else None
+        self._reroll = RerollBuffer(a.reroll_buffer_size) if a and a.reroll_start_fraction < 1.0 else None
 
-    def __len__(self) -> int:
-        return len(self._heap)
+    def _inject_rerolls(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        a = self.experiment.async_
+        start_step = int(a.reroll_start_fraction * self.args.max_steps)
+        taken = self._reroll.take(a.reroll_max_groups) if self.state.global_step >= start_step else []
+        self._record("reroll_injected", float(len(taken)))
+        return inject_rerolls(inputs, taken, self.num_generations) if taken else inputs
 
-    def add(self, score: float, group: dict[str, Any]) -> bool:
-        """Keep ``group`` if there is room or it beats the weakest entry; returns whether it was kept."""
-        if not score > 0:
-            return False
-        entry = _Entry(float(score), next(self._seq), group)
-        if len(self._heap) < self.max_size:
-            heapq.heappush(self._heap, entry)
-            return True
-        if entry.score > self._heap[0].score:
-            heapq.heapreplace(self._heap, entry)
-            return True
-        return False
+    def _buffer_failed_groups(self, inputs: list[dict[str, Any]], rewards: torch.Tensor) -> None:
+        grouped = torch.nan_to_num(rewards, nan=0.0).view(-1, self.num_generations)
+        failed = (grouped.max(dim=1).values <= 0) & (grouped.std(dim=1) == 0)
+        for g in failed.nonzero().flatten().tolist():
+            self._reroll.add(inputs[g * self.num_generations])
+        self._record("reroll_buffered", float(failed.sum()))
+        self._record("reroll_buffer_size", float(len(self._reroll)))
+        self._record("reroll_dropped", float(self._reroll.dropped))
 
-    def sample(self, k: int) -> list[dict[str, Any]]:
-        """``k`` groups drawn with replacement, probability proportional to score (none if the buffer is empty)."""
-        if not self._heap or k <= 0:
-            return []
-        weights = torch.tensor([e.score for e in self._heap], dtype=torch.float64)
-        picks = torch.multinomial(weights, k, replacement=True, generator=self._gen).tolist()
-        return [self._heap[i].group for i in picks]
+    # ---- replay buffer
 
+    def _apply_replay(self, batch: dict[str, Any], rewards: torch.Tensor) -> list[slice]:
+        """Replace zero-signal groups by buffered ones, then buffer this batch's groups that have signal."""
+        G = self.num_generations
+        grouped = rewards.view(-1, G)  # NaN where unscorable: kept, so replayed advantages leave them out as TRL does
+        std = group_reward_std(grouped)
+        advantages = batch["advantages"].detach().cpu().view(-1, G)
+        pad = getattr(self.processing_class, "pad_token_id", 0) or 0
+        per_token = [k for k in batch if k.endswith("per_token_logps") and isinstance(batch[k], torch.Tensor)]
 
-class RerollBuffer:
-    """FIFO of prompt rows whose whole group failed; bounded, dropping (and counting) the oldest."""
+        zero = (std == 0).nonzero().flatten().tolist()
+        batch_std = None
+        if self.scale_rewards == "batch":  # TRL scales by the std of the whole (gathered) batch
+            from trl.trainer.utils import nanstd
 
-    def __init__(self, max_size: int) -> None:
-        if max_size < 1:
-            raise ValueError(f"re-roll buffer size must be >= 1, got {max_size}")
-        self._rows: deque[dict[str, Any]] = deque()
-        self.max_size = max_size
-        self.dropped = 0
+            rpf = self._last_rewards_per_func
+            all_rewards = (rpf * self.reward_weights.to(rpf.device).unsqueeze(0)).nansum(dim=1)
+            all_rewards[torch.isnan(rpf).all(dim=1)] = torch.nan
+            batch_std = float(nanstd(all_rewards))
+        replaced = []
+        for g, group in zip(zero, self._replay.sample(len(zero))):
+            rows = slice(g * G, (g + 1) * G)
+            place_group(batch, rows, group, pad)
+            batch["advantages"][rows] = group_advantages(group["rewards"], self.scale_rewards, batch_std).to(
+                batch["advantages"].device, batch["advantages"].dtype
+            )
+            replaced.append(rows)
+        if replaced:
+            self._refresh_replayed(batch, replaced)
+        # Recount the tokens the loss is normalised by on every rank, whether or not it replaced a group: a
+        # collective joined only by the ranks that replaced one would wait forever for the others.
+        tokens = batch["completion_mask"].sum().float().reshape(1)
+        batch["num_items_in_batch"] = self.accelerator.reduce(tokens, reduction="sum").squeeze(0)
 
-    def __len__(self) -> int:
-        return len(self._rows)
+        for g in (std > 0).nonzero().flatten().tolist():
+            rows = slice(g * G, (g + 1) * G)
+            score = float(advantages[g].abs().sum() * std[g])
+            group = {k: batch[k][rows].detach().cpu().clone() for k in
+                     ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", *per_token)}
+            group["rewards"] = grouped[g].clone()
+            self._replay.add(score, group)
+        self._record("replay_buffer_replacements", float(len(replaced)))
+        self._record("replay_buffer_size", float(len(self._replay)))
+        return replaced
 
-    def add(self, row: dict[str, Any]) -> None:
-        if len(self._rows) == self.max_size:
-            self._rows.popleft()
-            self.dropped += 1
-        self._rows.append(row)
-
-    def take(self, n: int) -> list[dict[str, Any]]:
-        return [self._rows.popleft() for _ in range(min(n, len(self._rows)))]
-
-
-def group_reward_std(grouped: torch.Tensor) -> torch.Tensor:
-    """Per-row std of a (groups, G) reward matrix over its scorable (non-NaN) rewards, as TRL's ``nanstd``; 0 where
-    fewer than two are scorable. A row with std 0 has no learning signal: TRL gives it all-zero advantages."""
-    from trl.trainer.utils import nanstd
-
-    return torch.nan_to_num(nanstd(grouped, dim=1), nan=0.0)
-
-
-def group_advantages(rewards: torch.Tensor, scale: str, batch_std: float | None = None) -> torch.Tensor:
-    """GRPO advantages of one group's rewards as TRL computes them: centred on the group mean, divided by the group
-    std (``scale_rewards: group``), the current batch's std (``batch``) or nothing (``none``). Unscorable completions
-    (NaN: every reward function abstained) are left out of the mean and std and get advantage 0, so the baseline is
-    not biased towards 0."""
-    if torch.isnan(rewards).all():
-        return torch.zeros_like(rewards)
-    centred = rewards - torch.nanmean(rewards)
-    if scale != "none":
-        std = group_reward_std(rewards.view(1, -1))[0] if scale == "group" else torch.tensor(batch_std or 0.0)
-        centred = centred / (std + 1e-4)
-    return torch.nan_to_num(centred, nan=0.0)
-
-
-def inject_rerolls(inputs: list[dict[str, Any]], rerolls: list[dict[str, Any]], num_generations: int) -> list[dict]:
-    """Replace the last ``len(rerolls)`` prompt groups of a generation batch's rows with the re-roll prompts."""
-    out = list(inputs)
-    groups = len(out) // num_generations
-    for i, row in enumerate(rerolls[:groups]):
-        start = (groups - 1 - i) * num_generations
-        out[start : start + num_generations] = [dict(row) for _ in range(num_generations)]
-    return out
-
-
-def _fit(t: torch.Tensor, width: int, left: bool, value: float) -> torch.Tensor:
-    """Pad (or cut) dim 1 of ``t`` to ``width``; prompts are aligned right (left padding), completions left."""
-    have = t.shape[1]
-    if have == width:
-        return t
-    if have > width:
-        return t[:, have - width :] if left else t[:, :width]
-    pad = t.new_full((t.shape[0], width - have, *t.shape[2:]), value)
-    return torch.cat([pad, t], 1) if left else torch.cat([t, pad], 1)
-
-
-def place_group(batch: dict[str, Any], rows: slice, group: dict[str, torch.Tensor], pad_token_id: int) -> None:
-    """Write a buffered group into ``batch[rows]``, widening the batch's prompt/completion tensors if needed."""
-    for key, left in (("prompt", True), ("completion", False)):
-        width = max(batch[f"{key}_ids"].shape[1], group[f"{key}_ids"].shape[1])
-        for name, tensor in list(batch.items()):
-            if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
-                continue
-            if name.startswith(key) or (key == "completion" and name.endswith("per_token_logps")):
-                value = pad_token_id if name.endswith("_ids") else 0
-                batch[name] = _fit(tensor, width, left, value)
-        names = [f"{key}_ids", f"{key}_mask"]
-        if key == "completion":
-            names += [n for n in group if n.endswith("per_token_logps") and n in batch]
-        for name in names:
-            value = pad_token_id if name.endswith("_ids") else 0
-            batch[name][rows] = _fit(group[name].to(batch[name].device), width, left, value)
+    def _refresh_replayed(self, batch: dict[str, Any], replaced: list[slice]) -> None:
+        """Replayed groups were sampled by an older policy: recompute their old (and reference) log-probs for the
+        current one when asked."""
+        if self.experiment.async_.replay_recompute_logps:
+            logits_to_keep = batch["completion_ids"].shape[1]
+            models = {"old_per_token_logps": self.model}
+            if self.beta != 0.0 and self.ref_model is not None:
+                models["ref_per_token_logps"] = self.ref_model
+            with torch.no_grad():
+                for key, model in models.items():
+                    if key not in batch:
+                        continue
+                    for rows in replaced:
+                        ids = torch.cat([batch["prompt_ids"][rows], batch["completion_ids"][rows]], 1)
+                        mask = torch.cat([batch["prompt_mask"][rows], batch["completion_mask"][rows]], 1)
+                        logps, _, _ = self._get_per_token_logps_and_entropies(model, ids, mask, logits_to_keep)
+                        batch[key][rows] = logps
+        if "importance_sampling_ratio" in batch:  # the generator's ratio does not apply to replayed rows
+            for rows in replaced:
+                batch["importance_sampling_ratio"][rows] = 1.0

@@ -1,0 +1,150 @@
+"""Async rollouts (``async.use_data_producer``, ``async.async_prefetch``, ``async.max_staleness``,
+``async.prefetch_depth``, ``async.vllm_sync_interval``): the trainer side of the CPU generator process.
+
+Completions for a round come from :class:`~grpo.training.async_producer.AsyncRolloutProducer` (a separate process
+holding a copy of the policy); with prefetch, future rounds are submitted ahead so generation overlaps training.
+Each rollout carries the policy version it was sampled with; one older than ``max_staleness`` optimizer steps is
+dropped and generated again with current weights (never trained on). Weights are pushed every
+``vllm_sync_interval`` steps (:class:`_WeightSync`) and whenever a round must be generated now.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+
+class AsyncRollouts:
+    """Mixin of :class:`grpo.training.trainer.GRPOTrainer`: TRL's ``_generate_single_turn`` served by the producer."""
+
+    def _init_async_rollouts(self) -> None:
+        a = self.experiment.async_ if self.experiment is not None else None
+        self._producer = None  # the CPU generator process, started below (see _start_producer)
+        self._async = bool(a and (a.use_data_producer or a.async_prefetch))
+        self._round_prompts: list[list[int]] | None = None
+        self._submitted: set[int] = set()
+        self._last_round_end: float | None = None
+        if self._async:
+            self.add_callback(_WeightSync(self))
+            if self.args.max_steps > 0:
+                self._start_producer()
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if not (self._async and self.model.training) or images is not None:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+        return self._async_rollouts(prompt_ids)
+
+    @property
+    def _micro_steps_per_round(self) -> int:
+        return self.batch_layout.micro_steps_per_round
+
+    def _current_round(self) -> int:
+        ga = self.args.gradient_accumulation_steps
+        return (self.state.global_step * ga + self._step % ga) // self._micro_steps_per_round
+
+    def _future_round_prompt_ids(self, round_id: int) -> list[list[int]] | None:
+        """Prompt token ids of a future round, read from a fresh copy of the (deterministic) train sampler."""
+        if self._round_prompts is None:
+            sampler = self.build_train_sampler(self.train_dataset)
+            rows = self.batch_layout.completions_per_rank
+            block = rows * self._micro_steps_per_round
+            self._round_iter = (list(itertools.islice(it, rows)) for it in iter(
+                lambda s=iter(sampler): list(itertools.islice(s, block)), []))
+            self._round_prompts = []
+        while len(self._round_prompts) <= round_id:
+            try:
+                idx = next(self._round_iter)
+            except StopIteration:
+                return None
+            prompts = [self.train_dataset[i]["prompt"] for i in idx]
+            self._round_prompts.append(self._tokenize_prompts(prompts)[0])
+        return self._round_prompts[round_id]
+
+    def _start_producer(self) -> None:
+        """Spawn the generator process. Called at construction, so its start-up (imports, model load) overlaps the
+        rest of set-up; its first round is generated with weights pushed at that moment (see _async_rollouts)."""
+        from grpo.training.async_producer import AsyncRolloutProducer, producer_threads
+
+        from safetensors.torch import save_file
+
+        # Each rank writes its own copy: under torch.distributed, save_pretrained writes on rank 0 only, so another
+        # rank's generator would find an empty (or half-written) directory.
+        init_dir = Path(self.args.output_dir) / f"generator-init-rank{self.accelerator.process_index}"
+        init_dir.mkdir(parents=True, exist_ok=True)
+        model = self.accelerator.unwrap_model(self.model)
+        model.config.save_pretrained(init_dir)
+        # Every tensor under its own name (tied embeddings included): safetensors' save_model keeps one name of a
+        # tied pair, and from_pretrained then left the other randomly initialised, so the generator sampled garbage.
+        state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+        save_file(state, str(init_dir / "model.safetensors"), metadata={"format": "pt"})
+        gc = self.generation_config
+        gen = {"max_new_tokens": self.max_completion_length, "temperature": gc.temperature, "top_p": gc.top_p,
+               "top_k": gc.top_k, "pad_token_id": self._tokenizer.pad_token_id, "eos_token_ids": list(self.eos_token_ids)}
+        # The trainer keeps all its intra-op threads: the generator is idle most of a step, and measured on 2 cores
+        # (150 steps of the tiny preset) a trainer cut to 1 thread was 1.23x slower than one sharing the cores.
+        self._producer = AsyncRolloutProducer(str(init_dir), gen, seed=self.args.seed + self.accelerator.process_index,
+                                              threads=producer_threads())
+
+    def _async_rollouts(self, prompt_ids: list[list[int]]):
+        a = self.experiment.async_
+        if self._producer is None:
+            self._start_producer()
+        producer = self._producer
+        round_id = self._current_round()
+        now = time.perf_counter()
+        train_s = now - self._last_round_end if self._last_round_end is not None else 0.0
+
+        rollout, dropped = None, 0
+        if round_id in self._submitted:
+            candidate = producer.get(round_id)
+            self._submitted.discard(round_id)
+            if candidate.prompt_ids != [list(p) for p in prompt_ids]:
+                candidate = None  # the round's rows changed after submission (re-roll injection): generate them now
+            elif self.state.global_step - candidate.version > a.max_staleness:
+                dropped = 1  # too old: never trained on, generated again below with current weights
+                candidate = None
+            rollout = candidate
+        if rollout is None:
+            producer.push_weights(self.state.global_step, self.accelerator.unwrap_model(self.model).state_dict())
+            producer.submit(-1 - round_id, [list(p) for p in prompt_ids])
+            rollout = producer.get(-1 - round_id)
+        waited = time.perf_counter() - now
+
+        depth = a.prefetch_depth if a.async_prefetch else 0
+        for future in range(round_id + 1, round_id + 1 + depth):
+            if future not in self._submitted:
+                ids = self._future_round_prompt_ids(future)
+                if ids is not None:
+                    producer.submit(future, [list(p) for p in ids])
+                    self._submitted.add(future)
+
+        staleness = float(self.state.global_step - rollout.version)
+        self._record("async/staleness_mean", staleness)
+        self._record("async/staleness_max", staleness)
+        self._record("async/dropped_stale", float(dropped))
+        self._record("async/queue_wait_s", waited)
+        self._record("async/generate_s", rollout.generate_seconds)
+        self._record("async/train_s", train_s)
+        self._last_round_end = time.perf_counter()
+        return rollout.completion_ids, rollout.logprobs
+
+    def close_producer(self, wait: bool = True) -> None:
+        if self._producer is not None:
+            self._producer.close(wait=wait)
+            self._producer = None
+
+
+class _WeightSync(TrainerCallback):
+    """Push the trainer's weights to the generator every ``async.vllm_sync_interval`` optimizer steps."""
+
+    def __init__(self, trainer: AsyncRollouts) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        if t._producer is not None and state.global_step % t.experiment.async_.vllm_sync_interval == 0:
+            t._producer.push_weights(state.global_step, t.accelerator.unwrap_model(t.model).state_dict())
