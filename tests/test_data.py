@@ -98,7 +98,8 @@ def test_alphabet_covers_prompts_and_answers():
 
 def test_hub_sources_that_fail_name_the_source_and_the_splits(tmp_path):
     cfg = load_config(None, ["data.source=hub:no-such-org/no-such-dataset"])
-    with pytest.raises(DataError, match=r"data.source 'hub:no-such-org/no-such-dataset': could not load from the hub"):
+    # offline (as the tests run) and not in the local hub cache: said before anything is keyed or loaded
+    with pytest.raises(DataError, match=r"data.source 'hub:no-such-org/no-such-dataset': not in the local hub cache"):
         load_data(cfg)
     repo = tmp_path / "org" / "qa"  # the hub's layout in a local folder, read by the real load_dataset offline
     repo.mkdir(parents=True)
