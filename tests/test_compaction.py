@@ -14,12 +14,11 @@ import pytest
 import torch
 import trl
 
-from grpo.algo.group_balancing import split_by_token_budget
 from grpo.config import load_config
 from grpo.training.zero_advantage import normaliser_share, rows_to_keep
 from tests.conftest import MICRO, micro_overrides
-from tests.test_loss_extensions import LOSS_TYPES, configure, make_trainer, relative_difference, rows_of, step_gradient
-from trl.trainer.utils import split_tensor_dict
+from tests.test_loss_extensions import (LOSS_TYPES, configure, make_trainer, relative_difference, step_gradient,
+                                        token_budget_scenario)
 
 REL = 1e-5
 
@@ -231,30 +230,17 @@ def test_compaction_composes_with_token_budget_weights(shared, loss_type, chunks
     trainer, _ = shared
     configure(trainer, loss_type)
     trainer.experiment.grpo.num_generations_chunks = chunks
-    torch.manual_seed(2)
-    rows = [trainer.train_dataset[i] for i in range(2, 6) for _ in range(8)]
-    batch = trainer.assemble_generation_batch(rows)  # 4 groups of 8
     advantages = torch.linspace(-1, 1, 32)[torch.randperm(32, generator=torch.Generator().manual_seed(3))]
     advantages[torch.randperm(32, generator=torch.Generator().manual_seed(5))[:14]] = 0.0
-    batch["advantages"] = advantages
-    short = torch.tensor([False] * 3 + [True] * 5).repeat(4)
-    batch["prompt_mask"][short, :-1] = 0
-    batch["completion_mask"][short, 1:] = 0
-    args = trainer.args
-    saved = args.per_device_train_batch_size, args.steps_per_generation
-    args.per_device_train_batch_size, args.steps_per_generation = 8, 2
     try:
-        unbalanced = [split_tensor_dict(rows_of(batch, range(r * 16, r * 16 + 16)), 2) for r in range(2)]
-        balanced = [split_by_token_budget(rows_of(batch, range(0, 24)), 2),
-                    split_by_token_budget(rows_of(batch, range(24, 32)), 2)]
-        trainer.experiment.async_.compact_zero_advantage = False
-        reference = step_gradient(trainer, unbalanced)
-        trainer.experiment.async_.compact_zero_advantage = True
-        before = len(trainer._metrics["train"]["compaction/rows_skipped_frac"])
-        got = step_gradient(trainer, balanced)
-        skipped = trainer._metrics["train"]["compaction/rows_skipped_frac"][before:]
+        with token_budget_scenario(trainer, advantages) as (unbalanced, balanced):
+            trainer.experiment.async_.compact_zero_advantage = False
+            reference = step_gradient(trainer, unbalanced)
+            trainer.experiment.async_.compact_zero_advantage = True
+            before = len(trainer._metrics["train"]["compaction/rows_skipped_frac"])
+            got = step_gradient(trainer, balanced)
+            skipped = trainer._metrics["train"]["compaction/rows_skipped_frac"][before:]
     finally:
-        args.per_device_train_batch_size, args.steps_per_generation = saved
         trainer.experiment.async_.compact_zero_advantage = True
         configure(trainer, "dapo")
     assert reference.abs().sum() > 0 and len(skipped) == 4 and sum(skipped) > 0

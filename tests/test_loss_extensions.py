@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -129,19 +132,17 @@ def step_gradient(trainer: GRPOTrainer, ranks: list[list[dict]]) -> torch.Tensor
     return total / len(ranks)
 
 
-@pytest.mark.parametrize("loss_type, chunks", [(t, 1) for t in LOSS_TYPES if t != "bnpo"] + [("grpo", 2), ("dr_grpo", 4)])
-def test_token_budget_micro_batches_give_the_unbalanced_gradient(shared, loss_type, chunks):
-    """sampling.seqlen_balancing: two ranks, 2 micro-batches of 8 rows each when unbalanced; balanced, one rank holds
-    three groups and the other one, and token budgets give micro-batches of unequal row counts. Same gradient."""
-    trainer, _ = shared
-    configure(trainer, loss_type)
-    trainer.experiment.grpo.num_generations_chunks = chunks
+@contextlib.contextmanager
+def token_budget_scenario(trainer: GRPOTrainer, advantages: torch.Tensor) -> Iterator[tuple[list, list]]:
+    """Two emulated ranks of sampling.seqlen_balancing: a generation batch of 4 groups of 8 with ``advantages``, three
+    long rows per group and five of two tokens (last prompt token + first completion token), so token budgets split a
+    rank's rows unequally. Yields ``(unbalanced, balanced)`` micro-batches per rank (2 micro-batches of 8 rows each
+    unbalanced; balanced, one rank holds three groups and the other one), with the trainer's batch arguments set to
+    match for the duration."""
     torch.manual_seed(2)
     rows = [trainer.train_dataset[i] for i in range(2, 6) for _ in range(8)]
-    batch = trainer.assemble_generation_batch(rows)  # 4 groups of 8
-    batch["advantages"] = torch.linspace(-1, 1, 32)[torch.randperm(32, generator=torch.Generator().manual_seed(3))]
-    # three long rows per group, five of two tokens (last prompt token + first completion token): token budgets then
-    # split a rank's rows unequally
+    batch = trainer.assemble_generation_batch(rows)
+    batch["advantages"] = advantages
     short = torch.tensor([False] * 3 + [True] * 5).repeat(4)
     batch["prompt_mask"][short, :-1] = 0
     batch["completion_mask"][short, 1:] = 0
@@ -150,13 +151,28 @@ def test_token_budget_micro_batches_give_the_unbalanced_gradient(shared, loss_ty
     args.per_device_train_batch_size, args.steps_per_generation = 8, 2
     try:
         unbalanced = [split_tensor_dict(rows_of(batch, range(r * 16, r * 16 + 16)), 2) for r in range(2)]
-        balanced = [split_by_token_budget(rows_of(batch, range(0, 24)), 2), split_by_token_budget(rows_of(batch, range(24, 32)), 2)]
-        counts = [[m["completion_ids"].shape[0] for m in rank] for rank in balanced]
-        assert sum(map(sum, counts)) == 32 and all(len(set(c)) == 2 for c in counts), counts
-        reference = step_gradient(trainer, unbalanced)
-        got = step_gradient(trainer, balanced)
+        balanced = [split_by_token_budget(rows_of(batch, range(0, 24)), 2),
+                    split_by_token_budget(rows_of(batch, range(24, 32)), 2)]
+        yield unbalanced, balanced
     finally:
         args.per_device_train_batch_size, args.steps_per_generation = saved
+
+
+@pytest.mark.parametrize("loss_type, chunks", [(t, 1) for t in LOSS_TYPES if t != "bnpo"] + [("grpo", 2), ("dr_grpo", 4)])
+def test_token_budget_micro_batches_give_the_unbalanced_gradient(shared, loss_type, chunks):
+    """sampling.seqlen_balancing: two ranks, 2 micro-batches of 8 rows each when unbalanced; balanced, one rank holds
+    three groups and the other one, and token budgets give micro-batches of unequal row counts. Same gradient."""
+    trainer, _ = shared
+    configure(trainer, loss_type)
+    trainer.experiment.grpo.num_generations_chunks = chunks
+    advantages = torch.linspace(-1, 1, 32)[torch.randperm(32, generator=torch.Generator().manual_seed(3))]
+    try:
+        with token_budget_scenario(trainer, advantages) as (unbalanced, balanced):
+            counts = [[m["completion_ids"].shape[0] for m in rank] for rank in balanced]
+            assert sum(map(sum, counts)) == 32 and all(len(set(c)) == 2 for c in counts), counts
+            reference = step_gradient(trainer, unbalanced)
+            got = step_gradient(trainer, balanced)
+    finally:
         configure(trainer, "dapo")
     assert reference.abs().sum() > 0
     rel = relative_difference(got, reference)

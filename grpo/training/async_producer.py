@@ -138,10 +138,10 @@ class AsyncRolloutProducer:
 
     def get(self, round_id: int, timeout: float = 600.0) -> Rollout:
         deadline = time.monotonic() + timeout
+        shown = round_id if round_id >= 0 else -1 - round_id  # negative ids: a round generated again
         while round_id not in self._done:
             left = deadline - time.monotonic()
             if left <= 0 or not self._proc.is_alive():
-                shown = round_id if round_id >= 0 else -1 - round_id
                 raise RuntimeError(
                     f"generator process {'died' if not self._proc.is_alive() else 'timed out'} waiting for round {shown}"
                 )
@@ -150,7 +150,6 @@ class AsyncRolloutProducer:
                     _, rid, version, completions, logps, seconds = self._conn.recv()
                 except (EOFError, OSError):  # the pipe closed under us: the generator died
                     self._proc.join(timeout=5)
-                    shown = round_id if round_id >= 0 else -1 - round_id  # negative ids: a round generated again
                     raise RuntimeError(f"generator process died (exit code {self._proc.exitcode}) waiting for round "
                                        f"{shown}") from None
                 prompts = self._pending.pop(rid)
