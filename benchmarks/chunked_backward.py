@@ -1,7 +1,8 @@
 """``python -m benchmarks chunked_backward``: one group of 64 long completions, backward unchunked vs in 4 chunks.
 
 Peak memory of the training step is measured in a fresh process per variant (RSS high-water mark during the step
-minus the RSS before it); gradients of the two variants are compared in one process (max relative difference).
+minus the RSS before it); the same processes save the step's gradient (same seeded model and batch), and the
+gradients of the two variants are compared (max relative difference) without building a third trainer.
 
 Environment: BENCH_GROUP (64), BENCH_CHUNKS (4), BENCH_COMPLETION_TOKENS (384). ``--smoke``: a group of 8 in 2 chunks
 of 32-token completions, one fresh process per variant instead of two.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -63,10 +65,11 @@ def _step(trainer, batch):
     return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
 
 
-def _child(chunks: int, group: int, length: int) -> dict:
+def _child(chunks: int, group: int, length: int, grad_file: str) -> dict:
     import resource
 
     import psutil
+    import torch
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer, batch = _trainer(Path(tmp), chunks, group, length)
@@ -86,9 +89,10 @@ def _child(chunks: int, group: int, length: int) -> dict:
 
         t = threading.Thread(target=sample)
         t.start()
-        _step(trainer, batch)
+        grad = _step(trainer, batch)
         stop.set()
         t.join()
+        torch.save(grad, grad_file)
         return {"rss_before_mb": before / 2**20, "step_peak_mb": (peak[0] - before) / 2**20,
                 "process_peak_mb": max(peak_before, peak[0]) / 2**20}
 
@@ -97,19 +101,21 @@ def main(smoke: bool = False) -> dict:
     group = size("BENCH_GROUP", 64, 8, smoke)
     n_chunks = size("BENCH_CHUNKS", 4, 2, smoke)
     length = size("BENCH_COMPLETION_TOKENS", 384, 32, smoke)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GRPO_CACHE_DIR": tempfile.mkdtemp(prefix="bench-chunk-")}
+    import torch
+
+    work = Path(tempfile.mkdtemp(prefix="bench-chunk-"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GRPO_CACHE_DIR": str(work / "cache")}
     results = {}
-    for chunks in (1, n_chunks) if smoke else (1, n_chunks, 1, n_chunks):
+    for run, chunks in enumerate((1, n_chunks) if smoke else (1, n_chunks, 1, n_chunks)):
+        grad_file = work / f"grad-{run}-{chunks}.pt"
         out = subprocess.run([sys.executable, "-m", "benchmarks.chunked_backward", "--child", str(chunks), str(group),
-                              str(length)], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+                              str(length), str(grad_file)], cwd=REPO, env=env, capture_output=True, text=True,
+                             check=True)
         row = json.loads(out.stdout.strip().splitlines()[-1])
         results.setdefault(chunks, []).append(row["step_peak_mb"])
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer, batch = _trainer(Path(tmp), 1, group, length)
-        full = _step(trainer, batch)
-        trainer.experiment.grpo.num_generations_chunks = n_chunks
-        chunked = _step(trainer, batch)
+    full, chunked = torch.load(work / "grad-0-1.pt"), torch.load(work / f"grad-1-{n_chunks}.pt")
     rel = float((chunked - full).abs().max() / full.abs().max())
+    shutil.rmtree(work, ignore_errors=True)
     unchunked_mb, chunked_mb = min(results[1]), min(results[n_chunks])
     ratio = chunked_mb / unchunked_mb if unchunked_mb > 0 else None  # None: no step growth measured (tiny sizes)
     return {
@@ -121,6 +127,6 @@ def main(smoke: bool = False) -> dict:
     }
 
 
-if __name__ == "__main__":  # the measuring child: python -m benchmarks.chunked_backward --child CHUNKS GROUP LENGTH
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
-        print(json.dumps(_child(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))
+if __name__ == "__main__":  # the measuring child: python -m benchmarks.chunked_backward --child CHUNKS GROUP LENGTH FILE
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
+        print(json.dumps(_child(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])))

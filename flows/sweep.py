@@ -46,12 +46,13 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.pipeline import Preset, _flow_run_info, default_config, grpo_pipeline, mlflow_run_url
+from flows.pipeline import FLOW_RUNS_STARTED, Preset, _flow_run_info, default_config, grpo_pipeline, mlflow_run_url
 from grpo.config import ExperimentConfig, resolve_config, to_yaml
 from grpo.errors import RunDirectoryError
 from grpo.pipeline.sweep_space import expand_space
 from grpo.pipeline.tracking import SPOOL_DIRNAME, MlflowTracker, tracker_from_config, use_tracking_uri
 from grpo.runs import validate_run_name
+from grpo.training.graceful_stop import clear_stop_request, request_stop
 
 BEST_ALIAS = "best"
 DIRECTIONS = ("maximize", "minimize")
@@ -375,7 +376,10 @@ def grpo_sweep(
     logger.info(f"sweep {name}: {len(trials)} trials over {', '.join(fields) or '(no fields)'}, "
                 f"max {max_concurrency} at once{f', via deployment {use_deployment}' if use_deployment else ''}")
 
+    clear_stop_request()  # an earlier sweep of this process (a test session) may have been interrupted
     flow_run_id, _, _ = _flow_run_info()
+    if flow_run_id is not None:
+        FLOW_RUNS_STARTED.append(flow_run_id)  # `grpo sweep` cancels it, with its trials', on Ctrl-C / SIGTERM
     tracker = tracker_from_config(config, sweep_dir)
     parent_id, tracking = None, {}
     if tracker is not None:
@@ -416,11 +420,17 @@ def grpo_sweep(
                                     "tracking": tracking, "use_deployment": use_deployment,
                                     "trial_timeout": trial_timeout})
                 outcomes = {}
-                for i, fut in futures.items():
-                    try:
-                        outcomes[i] = ("completed", fut.result(), None)
-                    except Exception as err:  # a failed trial never stops the sweep
-                        outcomes[i] = ("failed", {}, f"{type(err).__name__}: {err}")
+                try:
+                    for i, fut in futures.items():
+                        try:
+                            outcomes[i] = ("completed", fut.result(), None)
+                        except Exception as err:  # a failed trial never stops the sweep
+                            outcomes[i] = ("failed", {}, f"{type(err).__name__}: {err}")
+                except BaseException:  # Ctrl-C / SIGTERM: running trials checkpoint and stop at their step end
+                    logger.warning(f"sweep {name}: interrupted; running trials save a checkpoint at the end of their "
+                                   "step and stop, waiting trials do not start")
+                    request_stop()
+                    raise
 
         records = []
         client = tracker.client if tracker is not None else None
@@ -489,6 +499,10 @@ def grpo_sweep(
             raise SweepError(f"sweep {name}: all {len(records)} trials failed; first error: {first}")
         status = "FINISHED"
         return result
+    except BaseException as err:
+        if not isinstance(err, Exception):  # Ctrl-C, SIGTERM: the parent run ends KILLED, as a pipeline's does
+            status = "KILLED"
+        raise
     finally:
         if tracker is not None:
             tracker.close(status=status)

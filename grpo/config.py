@@ -138,8 +138,8 @@ class WarmStartConfig(_Section):
     """Demonstrations per warm-start step."""
     carry_error_rate: float = Field(
         0.0, ge=0, le=1,
-        description="synthetic:addition only: fraction of carrying problems whose demonstration forgets the carry "
-        "(imperfect SFT data for GRPO to correct).",
+        description="synthetic:addition only (other sources are demonstrated as given): fraction of carrying "
+        "problems whose demonstration forgets the carry (imperfect SFT data for GRPO to correct).",
     )
 
 
@@ -495,8 +495,6 @@ class ExperimentConfig(_Section):
             raise ValueError("grpo.loss_type 'luspo' requires grpo.importance_sampling_level: sequence")
         if g.use_vllm and importlib.util.find_spec("vllm") is None:
             raise ValueError("grpo.use_vllm: vllm is not installed; install the 'gpu' extra (pip install -e '.[gpu]')")
-        if self.model.warm_start.carry_error_rate > 0 and not self.data.synthetic:
-            raise ValueError("model.warm_start.carry_error_rate applies to data.source 'synthetic:addition' only; set it to 0")
         if self.model.is_tiny and self.data.prompt_format == "chat":
             raise ValueError("model.name_or_path 'tiny' has no chat template; use data.prompt_format: plain")
         if self.model.is_tiny and self.model.tiny.max_position_embeddings < g.max_completion_length + 8:

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+from grpo.errors import ConfigError
+
+if TYPE_CHECKING:
+    from grpo.config import ExperimentConfig
 
 T = TypeVar("T")
 
@@ -62,3 +67,20 @@ def barrier() -> None:
         import torch.distributed as dist
 
         dist.barrier()
+
+
+def check_launch_matches_config(experiment: ExperimentConfig, launched: int) -> None:
+    """The config's world size and SP degree must describe the processes actually launched."""
+    sampling = experiment.sampling
+    if sampling.world_size != launched:
+        raise ConfigError(
+            f"sampling.world_size is {sampling.world_size} but {launched} process(es) were launched; set "
+            f"sampling.world_size={launched} or launch {sampling.world_size} (accelerate launch --num_processes N)"
+        )
+    if sampling.sequence_parallel_degree > 1:
+        raise ConfigError(
+            f"sampling.sequence_parallel_degree={sampling.sequence_parallel_degree} needs sequence-parallel "
+            "attention (ring/Ulysses context parallelism on GPUs), which this backend does not provide: "
+            "trl.GRPOTrainer rejects cp_size/sp_size > 1 and CPU training has no such kernels. Use 1; the sampler "
+            "layout itself (grpo.algo.sampling.SequenceParallelRepeatRandomSampler) is ready for a GPU backend."
+        )

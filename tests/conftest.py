@@ -84,8 +84,9 @@ def recorded_calls(log: Path) -> list[dict]:
 
 # Modules that take longest (servers, training, multi-process), started first so that xdist's workers finish
 # together (``--dist loadfile`` hands out whole modules in collection order).
-LONGEST_FIRST = ["test_invariants", "test_pipeline", "test_signals", "test_infra", "test_benchmarks",
-                 "test_multiprocess", "test_training", "test_faults", "test_trainer_parity", "test_async"]
+LONGEST_FIRST = ["test_benchmarks", "test_infra", "test_signals", "test_multiprocess", "test_training",
+                 "test_pipeline", "test_invariants", "test_faults", "test_sweep", "test_async", "test_own_model",
+                 "test_off_policy", "test_plan", "test_ui", "test_tracking"]
 
 
 def pytest_collection_modifyitems(session, config, items):

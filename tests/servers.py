@@ -164,3 +164,28 @@ class PrefectServer:
     def run(self, *cmd: str, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
         return subprocess.run(list(cmd), env=kw.pop("env", None) or self.env(), cwd=kw.pop("cwd", REPO),
                               capture_output=True, text=True, timeout=timeout, **kw)
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """One ``prefect server start`` per test session (per xdist worker): its start-up (database migrations) costs a
+    busy 2-core machine half a minute, so modules and CLI runs share it instead of each starting their own (a CLI
+    run given ``prefect_server.env()`` uses it rather than an embedded server). Tests scope what they read from it by
+    their own ids and names, never by counting everything on the server."""
+    server = PrefectServer(tmp_path_factory.mktemp("prefect-home")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def prefect_in_process(prefect_server):
+    """Flows called in the test process run against the session's Prefect server (instead of a
+    ``prefect_test_harness`` server per module)."""
+    import prefect.context
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_server.url}):
+        with prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()):
+            yield prefect_server

@@ -115,11 +115,13 @@ FAST = {"balance", "reward_pool"}  # seconds; the others train, start servers or
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in FAST else [pytest.mark.integration]) for n in available()])
-def test_benchmark_smoke(name):
+def test_benchmark_smoke(name, request):
     assert name in CHECKS, f"benchmark {name} has no smoke check in tests/test_benchmarks.py"
     # Sub-processes inherit the session's GRPO_CACHE_DIR, so the tiny warm start is built once for all of them.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    if name == "tracking_overhead":  # its pipeline part runs flows: on the session's server, not a new embedded one
+        env = request.getfixturevalue("prefect_server").env(**env)
     # Below pytest's 900 s, so a hang reports the benchmark's output; async_overlap, the slowest, took 360 s on 2 cores
     # shared with three other test runs (load ~8).
     proc = subprocess.run([sys.executable, "-m", "benchmarks", name, "--smoke"], cwd=REPO, env=env,

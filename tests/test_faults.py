@@ -228,20 +228,21 @@ def test_input_errors_are_one_line_exit_2(tmp_path, args, fragment):
 
 
 @pytest.mark.integration
-def test_a_data_error_in_the_flow_is_one_line_not_retried_and_does_not_block_a_rerun(tmp_path):
+def test_a_data_error_in_the_flow_is_one_line_not_retried_and_does_not_block_a_rerun(tmp_path, prefect_server):
     """#12.8-10: an all-bad data file fails once (no retries), the console shows one error line (the traceback is in
     the run's log file), and the same command run again is not refused with 'already exists'."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps({"prompt": "", "answer": "1"}) + "\n" for _ in range(20)))
     args = ["run", "--config", str(MICRO), "--run-name", "bad", "--set", "output_dir=runs",
             "--set", f"data.source={bad}"]
-    first = grpo_cli(*args, cwd=tmp_path, timeout=300)
+    server = {k: prefect_server.env()[k] for k in ("PREFECT_API_URL", "PREFECT_HOME")}
+    first = grpo_cli(*args, cwd=tmp_path, timeout=300, **server)
     assert_one_line_error(first, "no valid rows")
     log = (tmp_path / "runs" / "bad" / "run.log").read_text()
     assert "Traceback" in log and "DataError" in log
     assert "Retrying" not in log + first.stderr and log.count("Traceback") <= 3  # no retry (structural, not a timer)
 
-    second = grpo_cli(*args, cwd=tmp_path, timeout=300)
+    second = grpo_cli(*args, cwd=tmp_path, timeout=300, **server)
     assert_one_line_error(second, "no valid rows")  # not "already exists; pass --resume"
 
 

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from tests.conftest import MICRO, REPO
-from tests.servers import BIN, PrefectServer, free_port
+from tests.servers import BIN, free_port
 
 INFRA = REPO / "infra"
 POOLS = INFRA / "work-pools"
@@ -219,15 +219,6 @@ def test_accelerate_configs_load_as_accelerate_launch_reads_them():
 
 
 # ---------------------------------------------------------------- a real Prefect server
-
-
-@pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory):
-    server = PrefectServer(tmp_path_factory.mktemp("prefect-home")).start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

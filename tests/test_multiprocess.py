@@ -57,7 +57,7 @@ def rank_param_digests(log) -> dict[str, dict[int, str]]:
     return out
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [4])  # 2 ranks: test_torchrun_resume_after_a_crash_continues_every_rank_...
 def test_torchrun_ranks_train_on_disjoint_prompts(tmp_path, nproc):
     """Each rank scores its own whole groups, and DDP keeps the ranks one model: every rank's final parameters are
     bitwise equal, and differ from the (equal) initial ones. Ranks training without gradient sync would diverge."""
@@ -112,14 +112,101 @@ def test_torchrun_ranks_train_on_disjoint_prompts(tmp_path, nproc):
     assert params["end"][0] != params["begin"][0], "training did not change the parameters"
 
 
+# Loaded into every rank of the first launch: rank 0 SIGKILLs itself at the end of optimizer step $KILL_AT_STEP, after
+# the checkpoint of an earlier step was written (a crash); torchrun then stops the other rank and fails.
+KILL_AT_STEP = """
+import os, signal
+import transformers
+from transformers import TrainerCallback
+
+class KillAtStep(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == int(os.environ["KILL_AT_STEP"]) and int(os.environ.get("RANK", 0)) == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+_init = transformers.Trainer.__init__
+
+def _init_with_kill(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    self.add_callback(KillAtStep())
+
+transformers.Trainer.__init__ = _init_with_kill
+"""
+
+
+def test_torchrun_resume_after_a_crash_continues_every_rank_from_the_checkpoint(tmp_path):
+    """A 2-rank run killed at step 3 (checkpoint at step 2) and relaunched with ``--resume``: every rank starts from
+    the checkpoint's weights, scores exactly the prompts the crashed step 3 scored (the plan's next rounds), the ranks
+    stay one model, and metrics.jsonl has each step once."""
+    from transformers import AutoModelForCausalLM
+
+    recorder = write_prompt_recorder(tmp_path)
+    (tmp_path / "param_digest.py").write_text(PARAM_DIGEST)
+    (tmp_path / "kill_at_step.py").write_text(KILL_AT_STEP)
+    overrides = micro_overrides(tmp_path, **{
+        "sampling.world_size": 2, "grpo.max_steps": 4, "grpo.per_device_train_batch_size": 8,
+        "grpo.num_generations": 4, "grpo.save_steps": 2, "grpo.logging_steps": 1,
+        "grpo.reward_funcs": "[exact_match_recorded,digits_format]", "evaluation.enabled": "false",
+    })
+
+    def launch(name: str, *extra: str, kill: bool) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29537",
+               "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "crash", *extra,
+               "--reward-module", str(recorder), "--reward-module", str(tmp_path / "param_digest.py")]
+        if kill:
+            cmd += ["--reward-module", str(tmp_path / "kill_at_step.py")]
+        for item in overrides:
+            cmd += ["--set", item]
+        env = {**os.environ, "PROMPT_LOG": str(tmp_path / f"{name}-prompts.jsonl"), "OMP_NUM_THREADS": "1",
+               "PARAM_LOG": str(tmp_path / f"{name}-digests.jsonl"), "KILL_AT_STEP": "3"}
+        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+    crashed = launch("crashed", kill=True)
+    run_dir = tmp_path / "crash"
+    assert crashed.returncode != 0 and "exitcode  : -9" in crashed.stderr, crashed.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "checkpoint-2").is_dir() and not (run_dir / "summary.json").exists()
+
+    resumed = launch("resumed", "--resume", kill=False)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["resumed_from"].endswith("checkpoint-2"), summary
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r["metrics"]] == [1, 2, 3, 4], rows
+
+    # Every rank resumed from checkpoint-2's weights, and the ranks ended as one model.
+    checkpoint = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "checkpoint-2")
+    namespace: dict = {}
+    exec(PARAM_DIGEST.split("class ParamDigest")[0], namespace)
+    params = rank_param_digests(tmp_path / "resumed-digests.jsonl")
+    assert params["begin"] == {0: namespace["digest"](checkpoint), 1: namespace["digest"](checkpoint)}, params
+    assert params["end"][0] == params["end"][1] != params["begin"][0], params
+
+    # The resumed step 3 scores exactly the prompts the crashed step 3 scored, on each rank.
+    before, after = defaultdict(list), defaultdict(list)
+    for row in recorded_calls(tmp_path / "crashed-prompts.jsonl"):
+        before[row["rank"]].append(row["prompts"])
+    for row in recorded_calls(tmp_path / "resumed-prompts.jsonl"):
+        after[row["rank"]].append(row["prompts"])
+    for rank in (0, 1):
+        assert len(after[rank]) == 2 and after[rank][0] == before[rank][2], (rank, before[rank], after[rank])
+    # Steps 1-4 (crashed launch, then resumed): each rank scored its own 2 whole groups of 4, no prompt on both ranks.
+    for step in (before[0][0], before[1][0]), (before[0][1], before[1][1]), (after[0][0], after[1][0]), \
+            (after[0][1], after[1][1]):
+        for prompts in step:
+            assert len(prompts) == 8 and all(prompts[i] == prompts[i - i % 4] for i in range(8)), prompts
+        assert not set(step[0]) & set(step[1]), step
+
+
 def test_world_size_must_match_launch(tmp_path):
-    """A config for 2 ranks launched as 1 process is refused with a clear message before training."""
+    """A config for 2 ranks launched as 1 process is refused with a clear message before any stage runs (no run
+    directory, no data prepared, no Prefect server started)."""
     cmd = [sys.executable, "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "mismatch"]
     for item in micro_overrides(tmp_path, **{"sampling.world_size": 2, "evaluation.enabled": "false"}):
         cmd += ["--set", item]
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert "sampling.world_size is 2 but 1 process(es) were launched" in result.stderr
+    assert not (tmp_path / "mismatch").exists() and "prep:" not in result.stdout, result.stdout
 
 
 def test_torchrun_seqlen_balancing_exchanges_groups_and_logs_balance(tmp_path, mlflow_server):

@@ -1,9 +1,9 @@
-"""The Prefect pipeline against a real Prefect server (prefect_test_harness) and a real `mlflow server` process."""
+"""The Prefect pipeline against a real Prefect server (the session's ``prefect server start``) and a real `mlflow server`
+process."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -38,14 +38,6 @@ TOOLKIT_METRICS = {"kl", "clip_ratio/region_mean", "sampling/importance_sampling
                    "skipped_zero_adv_batches", "async/staleness_mean", "async/staleness_max", "async/dropped_stale",
                    "async/queue_wait_s", "async/generate_s", "async/train_s", "streaming/chunks",
                    "streaming/reward_wait_s"}
-
-
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def pipeline_config(tmp_path, uri, **extra):
@@ -92,7 +84,7 @@ def stage_task_states(pipeline_run_id: str) -> dict[str, list[str]]:
     return by_name
 
 
-def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefect_server, mlflow_server):
+def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefect_in_process, mlflow_server):
     from flows.pipeline import grpo_pipeline
 
     cfg = pipeline_config(tmp_path, mlflow_server.uri, **TOOLKIT)
@@ -146,7 +138,7 @@ def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefe
     assert run.info.status == "FINISHED"
 
 
-def test_prep_and_plan_are_cached_across_runs(tmp_path, prefect_server, mlflow_server):
+def test_prep_and_plan_are_cached_across_runs(tmp_path, prefect_in_process, mlflow_server):
     from flows.pipeline import grpo_pipeline
 
     # data.seed unique to this test: no earlier run in this session prepared (or planned) this data
@@ -206,12 +198,12 @@ def assert_readable_console(out: str, steps: int) -> None:
     assert any(" - data: " in line and "rows valid" in line for line in lines), out
 
 
-def test_mlflow_outage_mid_run_loses_no_metric(tmp_path):
+def test_mlflow_outage_mid_run_loses_no_metric(tmp_path, prefect_server):
     server = MlflowServer(tmp_path / "mlflow").start()
     try:
-        env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        env = prefect_server.env()
         args = ["--run-name", "outage", *cli_overrides(tmp_path, server.uri, **{
-            "grpo.max_steps": 60, "grpo.save_steps": 1000, "grpo.logging_steps": 1})]
+            "grpo.max_steps": 30, "grpo.save_steps": 1000, "grpo.logging_steps": 1})]
         run = RunDir(tmp_path / "outage")
         proc = run_cli(args, tmp_path, env)
 
@@ -233,8 +225,8 @@ def test_mlflow_outage_mid_run_loses_no_metric(tmp_path):
         logged = [json.loads(line) for line in run.metrics_file.read_text().splitlines()]
         expected = [row["step"] for row in logged if "reward" in row["metrics"]]
         got = [m.step for m in MlflowClient(server.uri).get_metric_history(summary["mlflow_run_id"], "reward")]
-        assert got == expected and len(expected) == 60
-        assert during >= 3  # and the steps logged during the outage reached MLflow too (all 60 did)
+        assert got == expected and len(expected) == 30
+        assert during >= 3  # and the steps logged during the outage reached MLflow too (all 30 did)
     finally:
         server.stop(kill=True)
 
@@ -255,7 +247,7 @@ def _fail_once(name: str, marker: Path, after_calls: int = 0):
     return register_reward(name)(reward)
 
 
-def test_eval_retries_and_a_retried_pipeline_resumes_training(tmp_path, prefect_server, mlflow_server):
+def test_eval_retries_and_a_retried_pipeline_resumes_training(tmp_path, prefect_in_process, mlflow_server):
     """A transient fault in evaluation is absorbed by the eval flow's retry; a fault that kills training fails the
     pipeline attempt, and Prefect's retry of the flow run resumes from the last checkpoint into the same MLflow run."""
     from flows.pipeline import grpo_pipeline

@@ -1,4 +1,4 @@
-"""Sweeps: search-space expansion (no servers), and trials as deployment runs (prefect_test_harness + a real
+"""Sweeps: search-space expansion (no servers), and trials as deployment runs (the session's Prefect server + a real
 `mlflow server`). The 4-trial sweep run by a process worker is in test_infra.py."""
 
 from __future__ import annotations
@@ -128,14 +128,6 @@ def test_cli_bad_space_is_one_line_exit_2(tmp_path, space_text, fragment):
 # ---------------------------------------------------------------- a real sweep
 
 
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 def prefect_api(path: str, body: dict) -> list[dict]:
     import httpx
     from prefect.settings import PREFECT_API_URL
@@ -146,7 +138,7 @@ def prefect_api(path: str, body: dict) -> list[dict]:
 
 
 @pytest.mark.integration
-def test_sweep_via_deployment_creates_linked_flow_runs(tmp_path, prefect_server, mlflow_server):
+def test_sweep_via_deployment_creates_linked_flow_runs(tmp_path, prefect_in_process, mlflow_server):
     """Smoke path of ``use_deployment``: no worker serves the deployment here, so each trial's flow run is created
     (with the trial's config, run name and MLflow nesting tags) and stays scheduled until ``trial_timeout``."""
     from flows.pipeline import grpo_pipeline
@@ -187,7 +179,7 @@ def test_the_shipped_example_space_expands():
 
 
 @pytest.mark.integration
-def test_cli_sweep_prints_the_parent_run_and_the_dashboard(tmp_path, mlflow_server):
+def test_cli_sweep_prints_the_parent_run_and_the_dashboard(tmp_path, prefect_server, mlflow_server):
     """#15: the console named neither the parent MLflow run (what `grpo dashboard --sweep` needs) nor the dashboard."""
     (tmp_path / "space.yaml").write_text("grid:\n  grpo.learning_rate: [1.0e-4, 3.0e-4]\n")
     sets = [f"output_dir={tmp_path / 'runs'}", "tracking.backend=mlflow", "grpo.max_steps=2", "grpo.save_steps=100", "evaluation.enabled=false",
@@ -197,7 +189,7 @@ def test_cli_sweep_prints_the_parent_run_and_the_dashboard(tmp_path, mlflow_serv
     result = subprocess.run([sys.executable, "-m", "grpo.app.cli", "sweep", "--config", str(MICRO), "--space",
                              str(tmp_path / "space.yaml"), "--name", "lr", "--metric", "wall_seconds",
                              "--direction", "minimize", *(a for s in sets for a in ("--set", s))],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=900)
+                            cwd=tmp_path, env=prefect_server.env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     parent = MlflowClient(mlflow_server.uri).search_runs(
         [MlflowClient(mlflow_server.uri).get_experiment_by_name("cli-sweep").experiment_id],

@@ -27,19 +27,21 @@ def read_metrics(run: RunDir) -> list[dict]:
 
 
 def test_default_task_mean_reward_rises(tmp_path):
-    """The default preset, shortened: GRPO on exact-answer reward raises the mean reward of sampled completions."""
+    """The default preset, shortened: GRPO on exact-answer reward raises the mean reward of sampled completions
+    and the greedy held-out accuracy (0.725 -> 0.94 in 60 steps on this machine; 0.95 after 120)."""
     cfg = load_config("tiny", [
-        f"output_dir={tmp_path}", "grpo.max_steps=120", "grpo.logging_steps=10", "grpo.save_steps=1000",
+        f"output_dir={tmp_path}", "grpo.max_steps=60", "grpo.logging_steps=10", "grpo.save_steps=1000",
         "evaluation.num_prompts=200", "evaluation.pass_k=0",
     ])
     run = open_run_dir(cfg, "reward-rises", resume=False)
     summary = run_experiment(cfg, run, log=lambda *_: None)
 
     rewards = [row["metrics"]["reward"] for row in read_metrics(run) if "reward" in row["metrics"]]
-    assert len(rewards) == 12
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert len(rewards) == 6  # each the mean over 10 steps of 256 sampled completions
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     assert last > first + 0.03, rewards
-    assert summary["steps"] == 120
+    assert summary["eval_accuracy_after"] >= summary["eval_accuracy_before"] + 0.1, summary
+    assert summary["steps"] == 60
     for key in ("run_name", "steps", "wall_seconds", "eval_accuracy_before", "eval_accuracy_after", "metrics"):
         assert key in summary
     assert {"reward", "reward_std", "frac_reward_zero_std", "rewards/exact_match/mean", "entropy", "step_time",
@@ -49,7 +51,7 @@ def test_default_task_mean_reward_rises(tmp_path):
     assert (run.model_dir / "config.json").is_file() and run.config_file.is_file()
 
 
-def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path, mlflow_server):
+def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path, prefect_server, mlflow_server):
     """Kill training (SIGKILL to the CLI and its temporary Prefect server) after its first checkpoint; ``--resume``
     continues there into the same MLflow run, the step sequence is continuous locally and in MLflow (nothing missing,
     nothing twice), the console stays readable, and the prompts after the resume are exactly the sampler plan's next
@@ -69,8 +71,8 @@ def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path
     for item in overrides:
         cmd += ["--set", item]
     run = RunDir(tmp_path / "killed")
-    env = {**os.environ, "PROMPT_LOG": str(tmp_path / "first.jsonl")}
-    # its own process group, so the kill below also takes down the run's temporary Prefect server
+    env = prefect_server.env(PROMPT_LOG=str(tmp_path / "first.jsonl"))
+    # its own process group, so the kill below takes the whole CLI (the Prefect server is the session's, elsewhere)
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + 300
@@ -168,3 +170,29 @@ def test_two_trainings_in_one_process_take_turns(tmp_path):
     second.join(900)
     assert {name: getattr(r, "get", lambda _: r)("steps") for name, r in results.items()} == {"first": 300, "second": 4}
     assert any("waiting for another training or model load in this process" in line for line in said), said
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_an_interrupt_saves_the_step_it_arrived_in_and_a_second_one_stops_at_once(tmp_path, signals):
+    """#12.5: SIGINT during step 3 (of a run saving every 100 steps): the step finishes, is logged and checkpointed,
+    then the interrupt goes on (KeyboardInterrupt, as before). Sent twice, it stops within the step: no checkpoint."""
+    from transformers import TrainerCallback
+
+    class Interrupt(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                for _ in range(signals):
+                    os.kill(os.getpid(), signal.SIGINT)
+
+    cfg = load_config(MICRO, micro_overrides(tmp_path, **{"grpo.max_steps": 8, "grpo.save_steps": 100,
+                                                          "grpo.logging_steps": 2, "evaluation.enabled": "false"}))
+    run = open_run_dir(cfg, "interrupted", resume=False)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(cfg, run, log=lambda *_: None, callbacks=[Interrupt()])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler before training, restored
+    latest = run.latest_checkpoint()
+    logged = [row["step"] for row in read_metrics(run) if "loss" in row["metrics"]]
+    if signals == 1:
+        assert latest is not None and latest.name == "checkpoint-3" and logged == [2, 3], (latest, logged)
+    else:
+        assert latest is None and logged == [2], (latest, logged)

@@ -527,12 +527,11 @@ class PlanSampler(Sampler[int]):
 # ------------------------------------------------------------------------------------------------ CLI helpers
 
 
-def prompt_token_lengths(prompts: list, tokenizer: Any | None) -> np.ndarray:
-    """Prompt lengths in tokens; ``tokenizer=None`` means one token per character (the tiny model)."""
+def prompt_token_lengths(prompts: list[str], tokenizer: Any | None) -> np.ndarray:
+    """Prompt lengths in tokens; ``tokenizer=None`` means one token per character (the tiny model). Conversational
+    prompts are rendered to text first (:func:`grpo.training.prompts.prompt_texts`)."""
     if tokenizer is None:
         return np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
-    if prompts and not isinstance(prompts[0], str):  # chat format: rendered to text first, as TRL does
-        prompts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
     ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     return np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
 

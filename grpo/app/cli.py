@@ -155,6 +155,7 @@ def run(
             _fail("--resume needs --run-name NAME of the run to continue")
         if run_name is not None:
             validate_run_name(run_name)  # "" is a mistake, not a request for a generated name
+        distributed.check_launch_matches_config(cfg, distributed.launched_world_size())  # before any stage runs
         if distributed.launched_world_size() > 1:
             distributed.init_process_group()
             name = distributed.decide_on_main(lambda: run_name or default_run_name(cfg))
@@ -227,7 +228,7 @@ def sweep(
 
         try:
             with _stoppable(f"finished trials are in {Path(cfg.output_dir)}"):
-                    result = grpo_sweep(config=cfg, space=space_data, max_concurrency=max_concurrency, metric=metric,
+                result = grpo_sweep(config=cfg, space=space_data, max_concurrency=max_concurrency, metric=metric,
                                     direction=direction, sweep_name=name, use_deployment=deployment)
         except SweepError as err:
             typer.echo(f"error: {err}", err=True)

@@ -23,7 +23,7 @@ from grpo.training.policy import cache_root
 
 # The modules whose source is part of each stage's key (imported lazily: grpo.pipeline.stages imports this module).
 PREP_CODE = ("grpo.pipeline.prep", "grpo.tasks", "grpo.pipeline.stages")
-PLAN_CODE = ("grpo.algo.plan", "grpo.algo.batch_layout", "grpo.pipeline.stages")
+PLAN_CODE = ("grpo.algo.plan", "grpo.algo.batch_layout", "grpo.pipeline.stages", "grpo.training.prompts")
 
 
 def _code_hash(modules: tuple[str, ...]) -> str:
@@ -52,8 +52,22 @@ def plan_dir_for(cfg: ExperimentConfig, data_hash: str) -> Path:
     payload = {"data": data_hash, "layout": cfg.batch_layout.cache_key_payload(),
                "sampling": cfg.sampling.model_dump(mode="json"),
                "grpo": {"max_steps": cfg.grpo.max_steps, "seed": cfg.grpo.seed},
-               "tokenizer": cfg.model.name_or_path}
+               "tokenizer": tokenizer_fingerprint(cfg.model.name_or_path)}
     return cache_root() / "plans" / stage_key("plan", payload, PLAN_CODE)
+
+
+def tokenizer_fingerprint(name_or_path: str) -> str:
+    """What the plan's token counts depend on: a local model folder's tokenizer files by content (a retrained
+    tokenizer or a new chat template in the same folder plans again), otherwise the name (hub id or 'tiny')."""
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        return name_or_path
+    digest = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and (path.name.startswith("tokenizer") or path.name in {"chat_template.jinja", "vocab.json",
+                                                                                   "merges.txt", "special_tokens_map.json"}):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return f"{folder.resolve()}:{digest.hexdigest()[:16]}"
 
 
 @contextmanager

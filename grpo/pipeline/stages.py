@@ -24,6 +24,7 @@ from grpo.rewards import get_reward
 from grpo.runs import RunDir
 from grpo.training.evaluation import EvalResult, evaluate_policy
 from grpo.training.policy import Policy, load_policy, plan_tokenizer, trained_policy
+from grpo.training.prompts import prompt_texts
 from grpo.training.train import train_grpo
 
 
@@ -66,8 +67,9 @@ def plan_stage(cfg: ExperimentConfig, data_dir: Path, out_dir: Path, tokenizer=N
     """Write the prompt schedule over the prepared train rows (``plan.parquet`` + ``plan.json``); see :mod:`grpo.algo.plan`.
     ``grpo plan`` calls this too, on the data :func:`cached_prep` prepared for the config (the rows a run trains on)."""
     prompts = list(load_prepared(data_dir)["train"]["prompt"])
-    summary = build_plan(cfg, prompt_token_lengths(prompts, None if cfg.model.is_tiny else tokenizer), out_dir,
-                         overwrite=overwrite)
+    tokenizer = None if cfg.model.is_tiny else tokenizer
+    texts = prompts if tokenizer is None else prompt_texts(prompts, tokenizer)
+    summary = build_plan(cfg, prompt_token_lengths(texts, tokenizer), out_dir, overwrite=overwrite)
     return {**summary.to_dict(), "plan_path": str(out_dir / "plan.parquet")}
 
 

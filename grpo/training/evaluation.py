@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo.training.prompts import prompt_texts
+
 
 @dataclass
 class EvalResult:
@@ -32,14 +34,16 @@ class EvalResult:
 def generate_completions(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    prompts: list[str],
+    prompts: list[str] | list[list[dict[str, str]]],
     max_new_tokens: int,
     batch_size: int,
     do_sample: bool,
     temperature: float = 1.0,
     num_return_sequences: int = 1,
 ) -> list[list[str]]:
-    """Completions per prompt (``num_return_sequences`` each), decoded without special tokens."""
+    """Completions per prompt (``num_return_sequences`` each), decoded without special tokens. Conversational
+    prompts are rendered with the chat template first, as in training."""
+    prompts = prompt_texts(prompts, tokenizer)
     model.eval()
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -71,7 +75,7 @@ def generate_completions(
 def evaluate_policy(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    prompts: list[str],
+    prompts: list[str] | list[list[dict[str, str]]],
     answers: list[str],
     correctness: Callable[..., list[float]],
     max_new_tokens: int,

@@ -25,6 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError
 from grpo.tasks import flawed_addition_demonstrations
+from grpo.training.graceful_stop import stop_requested
+from grpo.training.prompts import prompt_texts
 from grpo.training.tiny_model import alphabet_of, build_char_tokenizer, build_tiny_qwen2
 from grpo.training.warm_start import supervised_warm_start
 
@@ -72,6 +74,8 @@ def model_turn(echo=print):
         echo("waiting for another training or model load in this process to finish (one at a time per process)")
         MODEL_LOCK.acquire()
     try:
+        if stop_requested():  # the process is stopping (an interrupted sweep): a waiting trial does not start
+            raise KeyboardInterrupt
         yield
     finally:
         MODEL_LOCK.release()
@@ -97,7 +101,7 @@ def _load_policy(cfg: ExperimentConfig, data: DatasetDict, log=print) -> Policy:
     losses: list[float] = []
     if cfg.model.warm_start.steps:
         ws = cfg.model.warm_start
-        prompts, answers = warm_start_pairs(data, cfg)
+        prompts, answers = warm_start_pairs(data, cfg, tokenizer)
         losses = supervised_warm_start(
             model, tokenizer, prompts, answers, ws.steps, ws.batch_size, ws.learning_rate, cfg.grpo.seed,
         )
@@ -138,11 +142,13 @@ def _tiny_policy(cfg: ExperimentConfig, data: DatasetDict, log) -> Policy:
     return Policy(model, tokenizer, str(path), False, time.perf_counter() - start, losses)
 
 
-def warm_start_pairs(data: DatasetDict, cfg: ExperimentConfig) -> tuple[list[str], list[str]]:
-    """(prompts, demonstrated answers) for the warm start; see ``model.warm_start.carry_error_rate``."""
-    prompts, answers = list(data["train"]["prompt"]), list(data["train"]["answer"])
+def warm_start_pairs(data: DatasetDict, cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase
+                     ) -> tuple[list[str], list[str]]:
+    """(prompt texts, demonstrated answers) for the warm start; see ``model.warm_start.carry_error_rate``.
+    Conversational prompts are rendered with the chat template, as GRPO will generate from them."""
+    prompts, answers = prompt_texts(data["train"]["prompt"], tokenizer), list(data["train"]["answer"])
     rate = cfg.model.warm_start.carry_error_rate
-    if rate > 0:
+    if rate > 0 and cfg.data.synthetic:  # the tiny task's knob; other data is demonstrated as given
         answers = flawed_addition_demonstrations(prompts, answers, rate, seed=cfg.data.seed)
     return prompts, answers
 
@@ -151,7 +157,7 @@ def _warm_start_with_progress(model, tokenizer, data: DatasetDict, cfg: Experime
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     ws = cfg.model.warm_start
-    prompts, answers = warm_start_pairs(data, cfg)
+    prompts, answers = warm_start_pairs(data, cfg, tokenizer)
     with Progress(
         TextColumn("warm start"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
         TimeRemainingColumn(), transient=True,

@@ -14,6 +14,7 @@ from transformers import TrainerCallback
 from grpo.config import ExperimentConfig
 from grpo.rewards import get_reward
 from grpo.runs import RunDir
+from grpo.training.graceful_stop import StopAtStepEnd, stop_at_step_end
 from grpo.training.policy import Policy, model_turn
 
 # Fields of the ``grpo`` section that are not GRPOConfig arguments (handled by the platform itself).
@@ -160,9 +161,12 @@ def _train(cfg, policy, train_dataset, run, resume, plan_path, callbacks, echo) 
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(ConsoleProgress(echo))
+    stop = StopAtStepEnd()
+    trainer.add_callback(stop)
     checkpoint = run.latest_checkpoint(report=lambda message: echo(f"warning: {message}")) if resume else None
     try:
-        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        with stop_at_step_end(stop):  # Ctrl-C/SIGTERM: checkpoint at the current step, then stop
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     finally:
         trainer.close_reward_pool()
         trainer.close_producer(wait=False)

@@ -39,7 +39,7 @@ from grpo.algo.batch_layout import BatchLayout
 from grpo.algo.plan import PlanSampler
 from grpo.algo.sampling import SequenceParallelRepeatRandomSampler
 from grpo.config import ExperimentConfig
-from grpo.errors import ConfigError
+from grpo.distributed import check_launch_matches_config
 from grpo.training.async_rollouts import AsyncRollouts
 from grpo.training.chunked_loss import ChunkedLoss
 from grpo.training.off_policy import OffPolicyCorrection
@@ -236,22 +236,3 @@ class GRPOTrainer(AsyncRollouts, OffPolicyCorrection, RewardScoring, ReplayAndRe
             if chunks == 1:
                 return super()._compute_loss(model, inputs) * (weight * share)
             return self._chunked_loss(model, inputs, chunks, weight * share)
-
-
-def check_launch_matches_config(experiment: ExperimentConfig, launched: int) -> None:
-    """The config's world size and SP degree must describe the processes actually launched."""
-    sampling = experiment.sampling
-    if sampling.world_size != launched:
-        raise ConfigError(
-            f"sampling.world_size is {sampling.world_size} but {launched} process(es) were launched; set "
-            f"sampling.world_size={launched} or launch {sampling.world_size} (accelerate launch --num_processes N)"
-        )
-    if sampling.sequence_parallel_degree > 1:
-        raise ConfigError(
-            f"sampling.sequence_parallel_degree={sampling.sequence_parallel_degree} needs sequence-parallel "
-            "attention (ring/Ulysses context parallelism on GPUs), which this backend does not provide: "
-            "trl.GRPOTrainer rejects cp_size/sp_size > 1 and CPU training has no such kernels. Use 1; the sampler "
-            "layout itself (grpo.algo.sampling.SequenceParallelRepeatRandomSampler) is ready for a GPU backend."
-        )
-
-

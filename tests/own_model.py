@@ -1,0 +1,64 @@
+"""A "bring your own model" fixture built offline: a small Qwen2 with a byte-level BPE tokenizer trained here by
+``tokenizers``, a ChatML chat template and no pad token, saved with ``save_pretrained`` to a folder, as a user's
+Hugging Face model folder would be (nothing is downloaded). Also a local chat-format dataset file for it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def addition_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """``n`` distinct word problems "What is a plus b?" with their sums, in TRL's standard format."""
+    rng = random.Random(seed)
+    pairs = rng.sample([(a, b) for a in range(40) for b in range(40)], n)
+    return [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a, b in pairs]
+
+
+def write_dataset(path: Path, n: int = 160) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in addition_rows(n)))
+    return path
+
+
+def build_own_model(folder: Path, seed: int = 0) -> Path:
+    """Train the tokenizer on the task's text, build a randomly initialised Qwen2 and save both to ``folder``."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    corpus = [f"<|im_start|>user\n{r['prompt']}<|im_end|>\n<|im_start|>assistant\n{r['answer']}<|im_end|>"
+              for r in addition_rows(1600, seed=seed + 1)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", bos_token=None,
+                                        unk_token=None, additional_special_tokens=SPECIAL[:2])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    assert tokenizer.pad_token is None  # the loader's pad-token fallback is what the tests exercise
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=None,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    # Qwen2's tokenizer class defaults to a pad token unless the folder says there is none (as Llama-style folders do).
+    config_file = folder / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "pad_token": None}, indent=2))
+    return folder
