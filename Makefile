@@ -23,9 +23,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/grpo run --config tiny --run-name $(RUN_NAME)
 
-# The whole suite on TEST_WORKERS pytest-xdist workers (whole modules each, longest first: tests/conftest.py). Four on
-# 2 cores: much of the suite waits on servers and subprocesses, and three workers left a fifth of the CPU idle.
-TEST_WORKERS ?= 4
+# The whole suite on TEST_WORKERS pytest-xdist workers (whole modules each, longest first: tests/conftest.py). Three on
+# 2 cores: four took longer (more servers started, more contention).
+TEST_WORKERS ?= 3
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 

@@ -14,6 +14,7 @@ from grpo.config import load_config
 from grpo.pipeline.experiment import run_experiment
 from grpo.runs import open_run_dir
 from tests.conftest import MICRO, micro_overrides, recorded_calls, write_prompt_recorder
+from tests.servers import free_port
 
 pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
 
@@ -63,7 +64,7 @@ def test_rollouts_older_than_max_staleness_are_dropped_and_regenerated(tmp_path)
 def test_two_process_async_training_neither_hangs_nor_shares_data(tmp_path):
     recorder = write_prompt_recorder(tmp_path)
     log = tmp_path / "prompts.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "async-ddp", "--reward-module",
            str(recorder)]
     for item in micro_overrides(tmp_path, **{

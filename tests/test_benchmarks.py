@@ -2,7 +2,8 @@
 
 One test per module in ``benchmarks/`` (from ``benchmarks.__main__.available()``): a new benchmark without a smoke mode,
 or without a check below, fails here. The checks are on what a broken benchmark would get wrong (counts, equalities,
-finite ratios), never on timings: smoke sizes say nothing about performance.
+finite, positive ratios), never on timings: smoke sizes say nothing about performance, and a busy machine can
+slow one variant of a ratio tenfold.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _finite(value, low: float = -math.inf, high: float = math.inf) -> bool:
 
 def _async_overlap(r: dict) -> None:
     assert r["steps"] == 8 and r["rounds"] == 1
-    assert _finite(r["ratio_async_over_sync"], 0.05, 20), r["ratio_async_over_sync"]
+    assert _finite(r["ratio_async_over_sync"], 1e-6), r["ratio_async_over_sync"]  # a ratio, not a bound on it
     for variant in ("sync", "async", "sync_1_thread"):
         assert _finite(r[f"{variant}_step_s"], 1e-4), (variant, r[f"{variant}_step_s"])
         assert _finite(r[f"{variant}_gain"], -1, 1), (variant, r[f"{variant}_gain"])  # accuracy after - before
@@ -43,7 +44,7 @@ def _balance(r: dict) -> None:
     ours = r["quality_ours_equal_count_mean_max_over_mean"]
     assert _finite(ours, r["quality_equal_count_lower_bound_mean_max_over_mean"] - 1e-9, 1.03), ours
     assert r["spread_equal_ours_max_minus_min_tokens"] <= r["spread_equal_reference_kk_max_minus_min_tokens"]
-    assert _finite(r["speed_free_speedup_vs_reference"], 1e-3)
+    assert _finite(r["speed_free_speedup_vs_reference"], 1e-6)
 
 
 def _chunked_backward(r: dict) -> None:
@@ -62,7 +63,7 @@ def _plan(r: dict) -> None:
 
 def _reward_pool(r: dict) -> None:
     assert r["values_match_serial"] is True
-    assert _finite(r["speedup"], 0.05), r["speedup"]
+    assert _finite(r["speedup"], 1e-6), r["speedup"]
     assert len(r["pool_batch_s"]) == len(r["serial_batch_s"]) == r["timed_batches"]
 
 
@@ -80,7 +81,7 @@ def _tracking_overhead(r: dict) -> None:
 
 
 def _trl_parity(r: dict) -> None:
-    assert _finite(r["ratio_ours_over_trl"], 0.05, 20), r["ratio_ours_over_trl"]
+    assert _finite(r["ratio_ours_over_trl"], 1e-6), r["ratio_ours_over_trl"]
     assert _finite(r["ours_final_mean_reward"], 0, 1) and _finite(r["trl_final_mean_reward"], 0, 1)
     # same model, data, seed and config: a trainer that no longer learns like TRL's shows here
     assert abs(r["ours_final_mean_reward"] - r["trl_final_mean_reward"]) <= 0.05, r
@@ -96,8 +97,8 @@ def _time_to_accuracy(r: dict) -> None:
     assert r["runs"][0]["compaction_rows_skipped_frac"] is not None  # ours logs compaction; TRL does not
     assert r["runs"][1]["compaction_rows_skipped_frac"] is None
     assert r["ours_steps_to_target"] == r["trl_steps_to_target"] == 1
-    assert _finite(r["ratio_time_to_target_ours_over_trl"], 0.01, 100)
-    assert _finite(r["ratio_step_time_ours_over_trl"], 0.01, 100)
+    assert _finite(r["ratio_time_to_target_ours_over_trl"], 1e-6)
+    assert _finite(r["ratio_step_time_ours_over_trl"], 1e-6)
     assert r["eval_prompts"] == 16 and r["completions_per_step"] == 64
 
 

@@ -18,6 +18,7 @@ from grpo.config import config_from_dict
 from grpo.errors import ConfigError
 from tests.invariant_matrix import BASE, KNOWN_GAPS, OPTIONS, PROBES, REFUSED, config_dict, design, name_of, steps_for
 from tests.pairwise import all_pairs, pairs_of
+from tests.servers import free_port
 
 pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
 
@@ -46,7 +47,7 @@ def _launch(tmp: Path, nproc: int, only: str, port: int) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> dict[str, dict]:
-    return _launch(tmp_path_factory.mktemp("matrix2"), 2, ",".join([*PROBES, "pairwise"]), 29561)
+    return _launch(tmp_path_factory.mktemp("matrix2"), 2, ",".join([*PROBES, "pairwise"]), free_port())
 
 
 # The async producer's start-up dominates a run (about 10-25 s against 1-2 s): one process runs the rows without it by

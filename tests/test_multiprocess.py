@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import MICRO, micro_overrides, recorded_calls, write_prompt_recorder
+from tests.servers import free_port
 
 pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
 
@@ -57,7 +58,7 @@ def rank_param_digests(log) -> dict[str, dict[int, str]]:
     return out
 
 
-@pytest.mark.parametrize("nproc", [4])  # 2 ranks: test_torchrun_resume_after_a_crash_continues_every_rank_...
+@pytest.mark.parametrize("nproc", [3])  # 3: an odd world size; 2 ranks: test_torchrun_resume_after_a_crash_...
 def test_torchrun_ranks_train_on_disjoint_prompts(tmp_path, nproc):
     """Each rank scores its own whole groups, and DDP keeps the ranks one model: every rank's final parameters are
     bitwise equal, and differ from the (equal) initial ones. Ranks training without gradient sync would diverge."""
@@ -75,7 +76,7 @@ def test_torchrun_ranks_train_on_disjoint_prompts(tmp_path, nproc):
         "grpo.reward_funcs": "[exact_match_recorded,digits_format]",
         "evaluation.num_prompts": 16, "evaluation.pass_k": 0,
     })
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(29530 + nproc),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
            "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "ddp", "--reward-module", str(module),
            "--reward-module", str(digest_module)]
     for item in overrides:
@@ -150,7 +151,7 @@ def test_torchrun_resume_after_a_crash_continues_every_rank_from_the_checkpoint(
     })
 
     def launch(name: str, *extra: str, kill: bool) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29537",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "crash", *extra,
                "--reward-module", str(recorder), "--reward-module", str(tmp_path / "param_digest.py")]
         if kill:
@@ -221,7 +222,7 @@ def test_torchrun_seqlen_balancing_exchanges_groups_and_logs_balance(tmp_path, m
         "grpo.logging_steps": 1, "grpo.save_steps": 100, "evaluation.enabled": "false",
         "async.skip_zero_advantage_batches": "true",
     })
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29534",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "balanced"]
     for item in overrides:
         cmd += ["--set", item]
@@ -340,7 +341,7 @@ def test_torchrun_rebalance_groups_moves_whole_groups_and_loses_no_row(tmp_path)
     script = tmp_path / "rebalance.py"
     script.write_text(REBALANCE_SCRIPT)
     out = tmp_path / "rebalance.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29543",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(script), str(out), str(MICRO)]
     result = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                             text=True, timeout=300)
@@ -412,7 +413,7 @@ def test_torchrun_decide_on_main_gives_rank_0_result_and_errors_to_every_rank(tm
     script = tmp_path / "decide.py"
     script.write_text(DECIDE_SCRIPT)
     out = tmp_path / "decide.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29545",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(script), str(out)]
     result = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                             text=True, timeout=300)
@@ -450,7 +451,7 @@ def test_torchrun_sequence_parallel_sampler_layout(tmp_path):
     script = tmp_path / "sp.py"
     script.write_text(SP_SCRIPT)
     out = tmp_path / "indices.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", "29541",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
            str(script), str(out)]
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -476,7 +477,7 @@ def test_two_nodes_c10d_rendezvous_with_the_toolkit(tmp_path):
         "grpo.save_steps": 100, "evaluation.enabled": "false",
     })
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-           "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:29547", "--rdzv_id", "two-nodes",
+           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", "two-nodes",
            "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "two-nodes"]
     for item in overrides:
         cmd += ["--set", item]

@@ -80,6 +80,46 @@ def test_opsm_fraction_is_logged(tmp_path):
     assert trainer._metrics["train"]["sampling/opsm_frac_masked"][-1] == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_weights_from_the_training_forward_equal_an_extra_pass_with_one_forward_fewer(tmp_path, mode):
+    """#13.2: without ``old_per_token_logps`` (on-policy for the trainer) the IS weights come from the training
+    forward's log-probs inside the loss: the same weighted advantages as the separate no-grad pass gave, and the loss
+    call runs one forward (the policy's), not two."""
+    trainer = trainer_with(tmp_path, mode, **{"async.compact_zero_advantage": "false"})
+    trainer.current_gradient_accumulation_steps = 1
+    model = trainer.model
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    n, p, t = 8, 5, 4
+    vocab = model.config.vocab_size
+    batch = {"prompt_ids": torch.randint(3, vocab, (n, p), generator=g), "prompt_mask": torch.ones(n, p, dtype=torch.long),
+             "completion_ids": torch.randint(3, vocab, (n, t), generator=g),
+             "completion_mask": torch.ones(n, t, dtype=torch.long), "advantages": torch.randn(n, generator=g),
+             "num_items_in_batch": torch.tensor(float(n * t))}
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), t)
+    batch["sampling_per_token_logps"] = logps + 0.4 * torch.randn(n, t, generator=g)  # a lagging generator
+
+    eager = {**batch, "old_per_token_logps": logps}
+    trainer._correct_off_policy(eager, [])
+    deferred = dict(batch)
+    trainer._correct_off_policy(deferred, [])
+    assert deferred["advantages"].shape == (n,) and "is_weight_one" in deferred  # nothing computed yet
+
+    forwards = []
+    method = type(trainer)._get_per_token_logps_and_entropies
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (forwards.append(1), method(trainer, *a, **k))[1]
+    try:
+        trainer._compute_loss(model, deferred).backward()
+    finally:
+        del trainer._get_per_token_logps_and_entropies
+    assert forwards == [1]
+    assert torch.allclose(deferred["advantages"], eager["advantages"], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(eager["advantages"], batch["advantages"].unsqueeze(1).expand(n, t))  # weights not all 1
+
+
 @pytest.mark.integration
 def test_async_training_with_is_mask_runs_end_to_end(tmp_path):
     cfg = load_config(MICRO, micro_overrides(tmp_path, **{

@@ -60,14 +60,15 @@ TRL_HOOKS: dict[str, str] = {
     "_generate_single_turn": "async rollouts: completions produced ahead by the producer thread",
     "_generate": "starts streaming reward scoring while the log-prob passes run",
     "_calculate_rewards": "the persistent reward pool / streamed rewards instead of in-process calls",
-    "_compute_loss": "zero-advantage skip, balanced micro-batch weights and chunked backward",
+    "_compute_loss": "zero-advantage skip, balanced micro-batch weights and chunked backward; IS weights from the training forward",
+    "_get_per_token_logps_and_entropies": "hands the training forward's log-probs to the deferred IS correction",
     "get_high_entropy_mask": "the entropy quantile over chunks, equal to the unchunked mask",
 }
 
 
 
-class GRPOTrainer(AsyncRollouts, OffPolicyCorrection, RewardScoring, ReplayAndReroll, SeqlenBalancing,
-                  ZeroAdvantageSkip, ChunkedLoss, trl.GRPOTrainer):
+class GRPOTrainer(AsyncRollouts, RewardScoring, ReplayAndReroll, SeqlenBalancing, ZeroAdvantageSkip, ChunkedLoss,
+                  OffPolicyCorrection, trl.GRPOTrainer):  # OffPolicyCorrection last: every loss call passes through it
     """TRL's GRPO trainer with extension points; see the module docstring."""
 
     def __init__(
