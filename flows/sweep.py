@@ -49,6 +49,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.pipeline import FLOW_RUNS_STARTED, Preset, _flow_run_info, default_config, grpo_pipeline, mlflow_run_url
 from grpo.config import ExperimentConfig, resolve_config, to_yaml
 from grpo.errors import RunDirectoryError
+from grpo.pipeline.run_tracking import end_status
 from grpo.pipeline.sweep_space import expand_space
 from grpo.pipeline.tracking import SPOOL_DIRNAME, MlflowTracker, tracker_from_config, use_tracking_uri
 from grpo.runs import validate_run_name
@@ -500,8 +501,7 @@ def grpo_sweep(
         status = "FINISHED"
         return result
     except BaseException as err:
-        if not isinstance(err, Exception):  # Ctrl-C, SIGTERM: the parent run ends KILLED, as a pipeline's does
-            status = "KILLED"
+        status = end_status(False, err, False)  # Ctrl-C, SIGTERM: KILLED, as a pipeline's run; else FAILED
         raise
     finally:
         if tracker is not None:

@@ -140,16 +140,30 @@ def _start_run(tmp_path: Path, mlflow_uri: str, name: str) -> tuple[subprocess.P
     return proc, tmp_path / f"{name}.out"
 
 
-def _wait_training(proc: subprocess.Popen, run_dir: Path, out: Path, timeout: float = 400) -> list:
-    """Wait for a logged step, then return every process of the run: its tree (the embedded server included)."""
-    import psutil
-
+def _wait_first_step(proc: subprocess.Popen, run_dir: Path, out: Path, timeout: float = 400) -> None:
+    """Wait until ``run_dir`` has a logged step; kill the run and fail if it ends or the time runs out first."""
     deadline = time.monotonic() + timeout
     while not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().strip()):
         if proc.poll() is not None or time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             pytest.fail(f"no training step (exit {proc.poll()}):\n{out.read_text()[-3000:]}")
         time.sleep(0.5)
+
+
+def _wait_exit(proc: subprocess.Popen, out: Path, timeout: float, after: str) -> None:
+    """Wait for the run to exit; kill its group and fail if it is still running ``timeout`` s ``after`` a signal."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"still running {timeout} s after {after}:\n{out.read_text()[-3000:]}")
+
+
+def _wait_training(proc: subprocess.Popen, run_dir: Path, out: Path, timeout: float = 400) -> list:
+    """Wait for a logged step, then return every process of the run: its tree (the embedded server included)."""
+    import psutil
+
+    _wait_first_step(proc, run_dir, out, timeout)
     main = psutil.Process(proc.pid)
     tree = [main, *main.children(recursive=True)]
     assert any("uvicorn" in " ".join(p.cmdline()) for p in tree[1:]), [p.cmdline() for p in tree]
@@ -232,11 +246,7 @@ def test_sigterm_to_the_cli_leaves_no_server_behind(tmp_path, mlflow_server):
     proc, out = _start_run(tmp_path, mlflow_server.uri, "term")
     tree = _wait_training(proc, tmp_path / "term", out)
     os.kill(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"still running 60 s after SIGTERM:\n{out.read_text()[-3000:]}")
+    _wait_exit(proc, out, 60, "SIGTERM")
     left = [" ".join(p.cmdline()[:4]) for p in _alive(tree)]
     for p in _alive(tree, grace=0):
         p.kill()
@@ -306,18 +316,9 @@ def test_ctrl_c_stops_a_sweep_its_running_trial_checkpoints_and_all_runs_end_can
                                 cwd=tmp_path, env=prefect_server.env(), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     trial = tmp_path / "runs" / "stopped" / "stopped-t000"
-    deadline = time.monotonic() + 400
-    while not ((trial / "metrics.jsonl").is_file() and (trial / "metrics.jsonl").read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"no training step (exit {proc.poll()}):\n{out.read_text()[-3000:]}")
-        time.sleep(0.5)
+    _wait_first_step(proc, trial, out)
     os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"still running 90 s after Ctrl-C:\n{out.read_text()[-3000:]}")
+    _wait_exit(proc, out, 90, "Ctrl-C")
     assert proc.returncode == 130, out.read_text()[-3000:]
     _assert_checkpointed_where_it_stopped(trial, out, said="running trials save a checkpoint")
     assert not (tmp_path / "runs" / "stopped" / "stopped-t001").exists()  # the waiting trial never started
