@@ -1,9 +1,10 @@
-"""Real servers for tests, as subprocesses on 127.0.0.1: an MLflow tracking server (and the session fixture sharing
-it) and a Prefect server with its own PREFECT_HOME.
+"""Real servers for tests, as subprocesses on 127.0.0.1: an MLflow tracking server and a Prefect server with its own
+PREFECT_HOME, and the session fixtures sharing them.
 
-``tests/conftest.py`` registers this module as a plugin, so every test module shares one server per session. The
-server is killed at the end of the session, and with the test process if that is killed (grpo.app.procguard); tests
-may kill and restart it (same port, same store) to simulate an outage.
+``tests/conftest.py`` registers this module as a plugin, so every test module shares one server of each kind per
+session; under pytest-xdist every worker shares the same one (the first worker to need it starts it, the others attach
+through a file in the session's common temp folder). A server ends with the session's controlling pytest process,
+also when that is killed (grpo.app.procguard). A test that needs an outage starts a server of its own.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+import json
+
 import pytest
 import requests
+from filelock import FileLock
 
 from grpo.app.procguard import die_with_parent, guarded_command
 from grpo.app.ui import wait_healthy
@@ -45,7 +49,15 @@ class MlflowServer:
     def uri(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 90.0) -> MlflowServer:
+    def info(self) -> dict:
+        return {"root": str(self.root), "port": self.port}
+
+    @classmethod
+    def attach(cls, info: dict) -> MlflowServer:
+        """A handle on a server another process started (its ``stop`` does nothing)."""
+        return cls(Path(info["root"]), info["port"])
+
+    def start(self, timeout: float = 90.0, owner_pid: int | None = None) -> MlflowServer:
         cmd = [
             sys.executable, "-m", "mlflow", "server",
             "--host", "127.0.0.1",
@@ -60,8 +72,8 @@ class MlflowServer:
         log = self.log_path.open("ab")
         # Own process group: stop() ends the CLI and the uvicorn worker it spawns, nothing else.
         # The guard ends the group when this process dies, even by SIGKILL (a killed pytest leaves no server).
-        self.proc = subprocess.Popen(guarded_command(cmd), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, preexec_fn=die_with_parent())
+        self.proc = subprocess.Popen(guarded_command(cmd, owner_pid), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, preexec_fn=None if owner_pid else die_with_parent())
         log.close()
         try:
             wait_healthy(f"{self.uri}/health", self.proc, timeout)
@@ -101,14 +113,42 @@ class MlflowServer:
             return ""
 
 
+def _xdist_common_dir(tmp_path_factory) -> Path | None:
+    """The temp folder every pytest-xdist worker of this session shares (the controller's basetemp), else None."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    return tmp_path_factory.getbasetemp().parent
+
+
+def _session_server(tmp_path_factory, kind: str, server_class):
+    """Yield the session's server of ``kind``: started here without xdist (stopped at the end), or under xdist the
+    one server all workers share. The first worker starts it owned by the controlling pytest process (the workers'
+    parent), so it outlives the worker that started it and ends with the session; the others attach to it."""
+    common = _xdist_common_dir(tmp_path_factory)
+    if common is None:
+        server = server_class(tmp_path_factory.mktemp(kind)).start()
+        try:
+            yield server
+        finally:
+            server.stop()
+        return
+    info = common / f"{kind}.json"
+    with FileLock(str(common / f"{kind}.lock")):
+        if info.is_file():
+            server = server_class.attach(json.loads(info.read_text()))
+        else:
+            home = common / kind
+            home.mkdir()
+            server = server_class(home).start(owner_pid=os.getppid())
+            info.write_text(json.dumps(server.info()))
+    yield server
+
+
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
-    """One MLflow server for the whole session (startup takes seconds); yields the running :class:`MlflowServer`."""
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server")).start()
-    try:
-        yield server
-    finally:
-        server.stop(kill=True)
+    """One MLflow server for the whole session (startup takes seconds); yields the running :class:`MlflowServer`.
+    Shared: tests never stop it (an outage test starts its own)."""
+    yield from _session_server(tmp_path_factory, "mlflow-server", MlflowServer)
 
 
 BIN = Path(sys.executable).parent
@@ -117,8 +157,8 @@ BIN = Path(sys.executable).parent
 class PrefectServer:
     """``prefect server start`` with its own PREFECT_HOME; ``env()`` points child processes (CLI, workers) at it."""
 
-    def __init__(self, home: Path) -> None:
-        self.home, self.port = home, free_port()
+    def __init__(self, home: Path, port: int | None = None) -> None:
+        self.home, self.port = home, port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
         self.log = home / "server.log"
         self.proc: subprocess.Popen | None = None
@@ -127,12 +167,20 @@ class PrefectServer:
         return {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_API_URL": self.url,
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1", **extra}
 
-    def start(self, timeout: float = 120) -> PrefectServer:
+    def info(self) -> dict:
+        return {"home": str(self.home), "port": self.port}
+
+    @classmethod
+    def attach(cls, info: dict) -> PrefectServer:
+        """A handle on a server another process started (its ``stop`` does nothing)."""
+        return cls(Path(info["home"]), info["port"])
+
+    def start(self, timeout: float = 120, owner_pid: int | None = None) -> PrefectServer:
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(guarded_command([str(BIN / "prefect"), "server", "start", "--host",
-                                                          "127.0.0.1", "--port", str(self.port)]),
+                                                          "127.0.0.1", "--port", str(self.port)], owner_pid),
                                          env=self.env(), stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=die_with_parent())
+                                         start_new_session=True, preexec_fn=None if owner_pid else die_with_parent())
         try:
             wait_healthy(f"{self.url}/health", self.proc, timeout)
         except RuntimeError as err:
@@ -168,15 +216,11 @@ class PrefectServer:
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
-    """One ``prefect server start`` per test session (per xdist worker): its start-up (database migrations) costs a
-    busy 2-core machine half a minute, so modules and CLI runs share it instead of each starting their own (a CLI
-    run given ``prefect_server.env()`` uses it rather than an embedded server). Tests scope what they read from it by
-    their own ids and names, never by counting everything on the server."""
-    server = PrefectServer(tmp_path_factory.mktemp("prefect-home")).start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    """One ``prefect server start`` per test session, shared by every xdist worker: its start-up (database
+    migrations) costs a busy 2-core machine half a minute, so modules and CLI runs share it instead of each starting
+    their own (a CLI run given ``prefect_server.env()`` uses it rather than an embedded server). Tests scope what they
+    read from it by their own ids and names, never by counting everything on the server."""
+    yield from _session_server(tmp_path_factory, "prefect-home", PrefectServer)
 
 
 @pytest.fixture(scope="module")

@@ -108,7 +108,10 @@ def test_metrics_params_tags_artifacts_round_trip(mlflow_server, make_tracker, t
     assert table["columns"] == ["prompt", "completion"] and len(table["data"]) == 2
 
 
-def test_server_outage_buffers_and_delivers_exactly_once(mlflow_server, make_tracker):
+def test_server_outage_buffers_and_delivers_exactly_once(make_tracker, tmp_path):
+    from tests.servers import MlflowServer
+
+    mlflow_server = MlflowServer(tmp_path / "mlflow").start()  # its own: the session's is shared by other tests
     tracker = make_tracker(mlflow_server.uri)
     run_id = tracker.start("outage", "grpo-test", params={"a": 1})
     keys = ("loss", "reward", "kl")
@@ -135,16 +138,19 @@ def test_server_outage_buffers_and_delivers_exactly_once(mlflow_server, make_tra
         assert tracker.last_error is not None
         assert tracker.flush(timeout=0.5) is False  # no server: flush gives up at its timeout and does not raise
     finally:
-        mlflow_server.start()  # same port, same store; later tests share this server
-    log_for(0.5)
-    assert tracker.flush(timeout=30), tracker.last_error
-    assert tracker.close(timeout=10)
+        mlflow_server.start()  # same port, same store
+    try:
+        log_for(0.5)
+        assert tracker.flush(timeout=30), tracker.last_error
+        assert tracker.close(timeout=10)
 
-    client = MlflowClient(mlflow_server.uri)
-    for key in keys:
-        assert history_steps(client, run_id, key) == list(range(step)), key
-    values = {m.step: m.value for m in client.get_metric_history(run_id, "reward")}
-    assert all(values[s] == s * 0.5 + 1 for s in range(step))
+        client = MlflowClient(mlflow_server.uri)
+        for key in keys:
+            assert history_steps(client, run_id, key) == list(range(step)), key
+        values = {m.step: m.value for m in client.get_metric_history(run_id, "reward")}
+        assert all(values[s] == s * 0.5 + 1 for s in range(step))
+    finally:
+        mlflow_server.stop(kill=True)
 
 
 def test_resume_same_run_no_gaps_no_duplicates(mlflow_server, make_tracker, tmp_path):

@@ -4,8 +4,9 @@
   from the main thread) ends, so a killed parent (SIGKILL included) leaves no server behind (Linux
   ``prctl(PR_SET_PDEATHSIG)``).
 * ``python -m grpo.app.procguard CMD ...`` runs CMD under a small guard that leads its process group: when the guard's
-  parent dies, or it gets SIGTERM/SIGINT/SIGHUP, it stops the whole group (CMD and whatever CMD spawned, e.g.
-  ``mlflow server``'s uvicorn worker), which a parent-death signal on CMD alone would not reach.
+  parent (or the ``--owner-pid`` process) dies, or it gets SIGTERM/SIGINT/SIGHUP, it stops the whole group (CMD and
+  whatever CMD spawned, e.g. ``mlflow server``'s uvicorn worker), which a parent-death signal on CMD alone would not
+  reach.
 * :func:`embedded_prefect_server` starts Prefect's ephemeral API server (what ``grpo run`` uses when no
   ``PREFECT_API_URL`` is set) in its own session, so a Ctrl-C to the terminal's process group no longer kills it
   under the running flow, and with a parent-death signal.
@@ -43,14 +44,30 @@ def die_with_parent(sig: int = signal.SIGTERM):
     return preexec
 
 
-def guarded_command(cmd: list[str]) -> list[str]:
+def guarded_command(cmd: list[str], owner_pid: int | None = None) -> list[str]:
     """``cmd`` run under the process-group guard (see the module docstring); Popen it with
-    ``start_new_session=True, preexec_fn=die_with_parent()``."""
-    return [sys.executable, "-m", "grpo.app.procguard", *cmd]
+    ``start_new_session=True, preexec_fn=die_with_parent()``. With ``owner_pid`` the group lives as long as that
+    process instead of the parent (Popen it without ``die_with_parent``): a server one process starts for others,
+    e.g. one test-suite server shared by every pytest-xdist worker, which ends with the controlling pytest."""
+    return [sys.executable, "-m", "grpo.app.procguard", *(["--owner-pid", str(owner_pid)] if owner_pid else []), *cmd]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _guard(cmd: list[str]) -> int:
-    """Run ``cmd`` in this (new) process group; end the group when this process's parent dies or on a signal."""
+    """Run ``cmd`` in this (new) process group; end the group when its owner (this process's parent, or the
+    ``--owner-pid`` process) dies or on a signal."""
+    owner = None
+    if cmd[:1] == ["--owner-pid"]:
+        owner, cmd = int(cmd[1]), cmd[2:]
     parent = os.getppid()
     child = subprocess.Popen(cmd)
     stopping = []
@@ -60,7 +77,7 @@ def _guard(cmd: list[str]) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, stop)
-    while child.poll() is None and not stopping and os.getppid() == parent:
+    while child.poll() is None and not stopping and (_alive(owner) if owner else os.getppid() == parent):
         time.sleep(0.2)
     if child.poll() is not None:
         return child.returncode
