@@ -1,7 +1,8 @@
 """What a run prints: library noise off, real warnings kept.
 
 Every run prints the same known-harmless lines otherwise: transformers' deprecation of ``gradient_checkpointing``
-(raised by TRL's own calls, twice per checkpoint), and a progress bar for each tiny model load/save. The run's own
+(raised by TRL's own calls, twice per checkpoint), MLflow's notes on GPU metrics, model licenses and new stores, and a
+progress bar for each tiny model load/save. The run's own
 progress is :class:`grpo.training.train.ConsoleProgress`'s one line per logged step.
 """
 
@@ -17,7 +18,14 @@ HARMLESS_WARNINGS = [
 
 # (logger, message start): log records of the same kind. transformers sorts checkpoints by mtime and says so when two
 # were saved within a second, which every short run does; it then sorts them by step, which is right.
-HARMLESS_LOG_RECORDS = [("transformers.trainer_utils", "mtime may not be reliable")]
+# MLflow says on every run of a CPU machine that it skips GPU metrics, on every model it logs that the model card's
+# license is not a known one (the card is written locally, see grpo.pipeline.tracking.log_model), and on a new local
+# store that it creates its tables.
+HARMLESS_LOG_RECORDS = [("transformers.trainer_utils", "mtime may not be reliable"),
+                        ("mlflow.system_metrics.system_metrics_monitor", "Skip logging GPU metrics"),
+                        ("mlflow.transformers", "Unable to find license information"),
+                        ("mlflow.store.db.utils", "Creating initial MLflow database tables"),
+                        ("mlflow.store.db.utils", "Updating database tables")]
 
 
 class _DropRecords(logging.Filter):

@@ -28,7 +28,9 @@ py=$VENV/bin/python
 find_links=${UV_FIND_LINKS:-${PIP_FIND_LINKS:-$("$py" -m pip config get global.find-links 2>/dev/null || true)}}
 
 if "$py" -m pip install --quiet --disable-pip-version-check "uv==$UV_VERSION" 2>/dev/null; then
-  uv=("$VENV/bin/uv" pip install --quiet --python "$py" -c "$LOCK")
+  # --compile-bytecode: .pyc files written now, in parallel, as pip does by default; without them every first import
+  # of torch/transformers/mlflow/prefect compiles them (several seconds in each of the first processes to start).
+  uv=("$VENV/bin/uv" pip install --quiet --compile-bytecode --python "$py" -c "$LOCK")
   if [ -n "$TORCH" ]; then
     if [ -n "$find_links" ]; then
       "${uv[@]}" --find-links "$find_links" "$TORCH"

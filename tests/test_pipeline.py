@@ -156,7 +156,8 @@ def test_prep_and_plan_are_cached_across_runs(tmp_path, prefect_in_process, mlfl
 
 NOISE = [
     re.compile(r"^\s*(\d+\s+)?\d+\s+[A-Z][A-Z_]{3,}(\s|$)"),  # dill's bytecode disassembly (`159 0 RESUME`)
-    re.compile(r"LOAD_GLOBAL|RETURN_VALUE|FutureWarning|Writing model shards|Loading weights|mtime may not be reliable"),
+    re.compile(r"LOAD_GLOBAL|RETURN_VALUE|FutureWarning|Writing model shards|Loading weights|mtime may not be reliable"
+               r"|Skip logging GPU metrics|Unable to find license information|Creating initial MLflow database"),
     re.compile(r"'(loss|reward)': '"),  # transformers' quoted-dict progress line
 ]
 

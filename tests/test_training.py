@@ -31,7 +31,7 @@ def test_default_task_mean_reward_rises(tmp_path):
     and the greedy held-out accuracy (0.725 -> 0.94 in 60 steps on this machine; 0.95 after 120)."""
     cfg = load_config("tiny", [
         f"output_dir={tmp_path}", "grpo.max_steps=60", "grpo.logging_steps=10", "grpo.save_steps=1000",
-        "evaluation.num_prompts=200", "evaluation.pass_k=0",
+        "evaluation.num_prompts=200", "evaluation.pass_k=0", "tracking.backend=none",
     ])
     run = open_run_dir(cfg, "reward-rises", resume=False)
     summary = run_experiment(cfg, run, log=lambda *_: None)
