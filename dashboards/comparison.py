@@ -83,7 +83,7 @@ _COLORS = ("#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#F
 class RunData:
     run_id: str
     name: str
-    label: str  # unique legend name
+    label: str  # unique run name (the table's first column)
     status: str
     start_ms: int | None
     end_ms: int | None
@@ -91,6 +91,7 @@ class RunData:
     latest: dict[str, float]
     color: str = ""
     history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    legend: str = ""  # what the plots call the run: the param values that set it apart (see legend_labels)
 
     def wall_seconds(self, now_ms: int) -> float | None:
         if self.start_ms is None:
@@ -206,7 +207,26 @@ def _collect(client, mlflow_runs: list) -> list[RunData]:
     for (run, key), points in zip(jobs, results):
         if points:
             run.history[key] = points
+    for run, legend in zip(runs, legend_labels(runs)):
+        run.legend = legend
     return runs
+
+
+_MAX_LEGEND_PARAMS = 3
+
+
+def legend_labels(runs: list[RunData]) -> list[str]:
+    """Plot labels: the values of the params that differ between the runs (``learning_rate=1e-05, beta=0.04``),
+    which is what tells sweep trials apart; a param is named by its last dotted part unless two differing params
+    share it. The unique run name when nothing differs, or more than three params do (unrelated runs of an
+    experiment), and appended when two runs still share a label."""
+    keys = differing_params(runs) if len(runs) > 1 else []
+    if not keys or len(keys) > _MAX_LEGEND_PARAMS:
+        return [r.label for r in runs]
+    last = [k.rsplit(".", 1)[-1] for k in keys]
+    short = [t if last.count(t) == 1 else k for k, t in zip(keys, last)]
+    labels = [", ".join(f"{n}={r.params.get(k, '—')}" for k, n in zip(keys, short)) for r in runs]
+    return [f"{lab} ({r.label})" if labels.count(lab) > 1 else lab for lab, r in zip(labels, runs)]
 
 
 # ---------------------------------------------------------------------------------------------------- figures
@@ -241,9 +261,10 @@ def _metric_panel(panel: Panel, runs: list[RunData]) -> tuple[str, int] | None:
                 continue
             fig.add_trace(go.Scatter(
                 x=[s for s, _ in points], y=[v for _, v in points], mode="lines+markers" if len(points) < 60 else "lines",
-                name=run.label, legendgroup=run.run_id, showlegend=run.run_id not in shown,
+                name=run.legend, legendgroup=run.run_id, showlegend=run.run_id not in shown,
                 line={"color": run.color, "width": 2}, marker={"size": 5},
-                hovertemplate=f"{html.escape(run.label)}<br>step %{{x}}<br>{key} %{{y:.4g}}<extra></extra>",
+                hovertemplate=f"{html.escape(run.label)}<br>{html.escape(run.legend)}<br>step %{{x}}<br>{key} "
+                              "%{y:.4g}<extra></extra>",
             ), row=row + 1, col=col + 1)
             shown.add(run.run_id)
             traces += 1
@@ -266,7 +287,7 @@ def _eval_panel(runs: list[RunData]) -> tuple[str, int] | None:
         if not any(key in r.latest for r in with_eval):
             continue
         values = [r.latest.get(key) for r in with_eval]
-        fig.add_trace(go.Bar(x=[r.label for r in with_eval], y=values, name=label, marker_color=color,
+        fig.add_trace(go.Bar(x=[r.legend for r in with_eval], y=values, name=label, marker_color=color,
                              text=[f"{v:.3f}" if v is not None else "" for v in values], textposition="outside",
                              hovertemplate="%{x}<br>" + label + " %{y:.4f}<extra></extra>"))
     top = max((v for r in with_eval for k in (EVAL_BEFORE, EVAL_AFTER) if (v := r.latest.get(k)) is not None),
@@ -379,6 +400,13 @@ def _section(div_id: str, title: str, body: str, description: str = "") -> str:
             f"{body}</section>")
 
 
+def _run_count(runs: list[RunData]) -> str:
+    """"3 runs", or "11 runs, 7 with training curves" when some (failed early, still starting) logged no reward."""
+    total = f"{len(runs)} run{'s' if len(runs) != 1 else ''}"
+    curves = sum(1 for r in runs if r.history.get("reward"))
+    return total if curves == len(runs) else f"{total}, {curves} with training curves"
+
+
 def render(runs: list[RunData], *, title: str, subtitle: str, tracking_uri: str, experiment_id: str,
            generated: datetime) -> tuple[str, list[str]]:
     """The page and the div ids of the plotly figures in it (in page order)."""
@@ -422,7 +450,7 @@ def render(runs: list[RunData], *, title: str, subtitle: str, tracking_uri: str,
 <body>
 <header>
 <h1 id="dashboard-title">{e(title)}</h1>
-<div class="meta"><span>{e(subtitle)}</span><span>{len(runs)} run{"s" if len(runs) != 1 else ""}</span>
+<div class="meta"><span>{e(subtitle)}</span><span id="run-count">{_run_count(runs)}</span>
 <span>tracking: {e(tracking_uri)}</span><span id="generated-at">generated {stamp}</span></div>
 </header>
 <main>
@@ -485,5 +513,5 @@ def log_dashboard(tracker_or_client: Any, run_id: str | None, path: str | Path,
     return f"{artifact_path}/{path.name}" if artifact_path else path.name
 
 
-__all__ = ["DashboardError", "build_dashboard", "differing_params", "log_dashboard", "render"]
+__all__ = ["DashboardError", "build_dashboard", "differing_params", "legend_labels", "log_dashboard", "render"]
 

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Literal
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_link_artifact, create_markdown_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.context import get_run_context
 
 import grpo.pipeline.stages
-from flows.stages import PrefectProgress, eval_flow, plan_flow, prep_flow, summarize_for_ui
+from flows.stages import (PrefectProgress, dataset_markdown, dataset_table, eval_flow, plan_flow, plan_markdown, prep_flow,
+                          summarize_for_ui)
 from grpo.config import DEFAULT_PRESET, ExperimentConfig, load_config, presets, resolve_config
 from grpo.console import quiet_library_noise
 from grpo.pipeline.confine import check_config_paths
@@ -43,7 +44,8 @@ def train_flow(config: ExperimentConfig, run_dir: str, data_dir: str, plan_path:
     """GRPO training into ``run_dir``; resumes from the last checkpoint when one exists (no blind retries)."""
     run = RunDir(Path(run_dir))
     tracker = _TRACKERS.get(str(run.path))
-    callbacks = [PrefectProgress(), *([MlflowCallback(tracker)] if tracker is not None else [])]
+    callbacks = [PrefectProgress(run.read_json("eval_before.json")),
+                 *([MlflowCallback(tracker)] if tracker is not None else [])]
     return grpo.pipeline.stages.train_stage(config, run, data_dir, plan_path, resume, callbacks=callbacks,
                                    log=get_run_logger().info)
 
@@ -59,10 +61,16 @@ class PrefectStages:
                                  link_text=f"MLflow run {tracker.run_id}", description="This run in MLflow")
 
     def prep(self, cfg: ExperimentConfig) -> dict:
-        return prep_flow(cfg)
+        stats = prep_flow(cfg)
+        # repeated on the pipeline's own flow run, so its Artifacts tab shows the data without opening the subflow
+        create_table_artifact(key="run-dataset", table=dataset_table(stats),
+                              description=dataset_markdown(cfg, stats).removeprefix("## Dataset prep\n\n"))
+        return stats
 
     def plan(self, cfg: ExperimentConfig, data_dir: str, content_hash: str) -> dict:
-        return plan_flow(cfg, data_dir, content_hash)
+        plan = plan_flow(cfg, data_dir, content_hash)
+        create_markdown_artifact(key="run-plan", markdown=plan_markdown(plan), description="Sampler plan")
+        return plan
 
     def evaluate(self, cfg: ExperimentConfig, model: str, data_dir: str, out_file: str, tag: str) -> dict:
         return eval_flow(cfg, model, data_dir, out_file, tag)

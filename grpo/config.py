@@ -62,7 +62,9 @@ class DataConfig(_Section):
     answer_regex: str | None = Field(
         None, description="Regex with one group extracting the final answer from the answer column (GSM8K: '#### (.*)')."
     )
-    prompt_format: Literal["plain", "chat"] = Field("plain", description="'chat' wraps prompts as user messages.")
+    prompt_format: Literal["plain", "chat"] = Field(
+        "plain", description="'chat' wraps text prompts as user messages; prompts given as message lists (TRL's "
+        "conversational format) are used as they are, with either value.")
     system_prompt: str | None = Field(None, description="System message prepended in chat format.")
     max_prompt_chars: int = Field(4096, ge=1, description="Prep: longer prompts (before chat wrapping) are quarantined.")
     max_answer_chars: int = Field(512, ge=1, description="Prep: longer answers (after answer_regex) are quarantined.")
@@ -150,6 +152,9 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """Weights dtype when loading the policy."""
     attn_implementation: str | None = Field(None, description="e.g. 'sdpa', 'flash_attention_2' (GPU).")
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template, inline or as a path to a .jinja file, used instead of the "
+        "tokenizer's own (TRL's chat_template_path); saved with the trained model.")
     tiny: TinyModelConfig = TinyModelConfig()
     """Shape of the local tiny model (used when name_or_path is 'tiny')."""
     warm_start: WarmStartConfig = WarmStartConfig()
@@ -497,6 +502,13 @@ class ExperimentConfig(_Section):
             raise ValueError("grpo.use_vllm: vllm is not installed; install the 'gpu' extra (pip install -e '.[gpu]')")
         if self.model.is_tiny and self.data.prompt_format == "chat":
             raise ValueError("model.name_or_path 'tiny' has no chat template; use data.prompt_format: plain")
+        if self.model.is_tiny and self.model.chat_template:
+            raise ValueError("model.chat_template: the 'tiny' model's character tokenizer takes plain prompts only; "
+                             "set it for a model folder or hub model")
+        if self.model.chat_template and self.model.chat_template.endswith(".jinja") \
+                and not Path(self.model.chat_template).expanduser().is_file():
+            raise ValueError(f"model.chat_template: no file {self.model.chat_template!r} (a path must end in .jinja "
+                             "and exist; anything else is taken as the template itself)")
         if self.model.is_tiny and self.model.tiny.max_position_embeddings < g.max_completion_length + 8:
             raise ValueError(
                 f"model.tiny.max_position_embeddings ({self.model.tiny.max_position_embeddings}) is too small for "

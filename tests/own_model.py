@@ -1,6 +1,7 @@
 """A "bring your own model" fixture built offline: a small Qwen2 with a byte-level BPE tokenizer trained here by
 ``tokenizers``, a ChatML chat template and no pad token, saved with ``save_pretrained`` to a folder, as a user's
-Hugging Face model folder would be (nothing is downloaded). Also a local chat-format dataset file for it.
+Hugging Face model folder would be (nothing is downloaded). Also local dataset files for it: TRL's standard format
+(text prompts) and a GSM8K-style file in TRL's conversational format (message-list prompts, ``#### 42`` answers).
 """
 
 from __future__ import annotations
@@ -28,6 +29,48 @@ def write_dataset(path: Path, n: int = 160) -> Path:
     return path
 
 
+# Templated multi-step word problems: (question, worked answer ending in GSM8K's "#### <number>", steps).
+_PEOPLE = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fay"]
+_THINGS = ["apples", "stamps", "marbles", "books", "shells"]
+
+
+def gsm8k_rows(n: int, seed: int = 0) -> list[dict]:
+    """``n`` distinct two- and three-step problems in GSM8K's shape, as TRL conversational rows: ``prompt`` a list of
+    system + user messages, ``answer`` the worked solution ending in ``#### <number>``, and an extra ``steps`` column
+    (TRL passes extra columns to reward functions)."""
+    rng = random.Random(seed)
+    rows, seen = [], set()
+    while len(rows) < n:
+        who, what = rng.choice(_PEOPLE), rng.choice(_THINGS)
+        a, b, c = rng.randint(2, 30), rng.randint(2, 20), rng.randint(1, 9)
+        if rng.random() < 0.5:
+            question = f"{who} has {a} {what} and buys {b} more. How many {what} does {who} have now?"
+            worked, result, steps = f"{who} has {a} + {b} = {a + b} {what}.", a + b, 2
+        else:
+            question = (f"{who} has {a} {what}, buys {b} more and gives away {c}. How many {what} does {who} "
+                        "have left?")
+            worked = f"After buying, {a} + {b} = {a + b}. After giving away, {a + b} - {c} = {a + b - c}."
+            result, steps = a + b - c, 3
+        if question in seen:
+            continue
+        seen.add(question)
+        rows.append({"prompt": [{"role": "system", "content": "Solve it; end with the number."},
+                                {"role": "user", "content": question}],
+                     "answer": f"{worked}\n#### {result}", "steps": steps})
+    return rows
+
+
+def write_gsm8k_conversational(path: Path, n: int = 120, bad: bool = True) -> Path:
+    """The conversational GSM8K-style file; with ``bad``, one row whose messages are not a conversation (an unknown
+    role) and one repeating an earlier conversation, for the quarantine."""
+    rows = gsm8k_rows(n)
+    if bad:
+        rows.append({"prompt": [{"role": "narrator", "content": "Once upon a time"}], "answer": "#### 1", "steps": 1})
+        rows.append(dict(rows[0]))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def build_own_model(folder: Path, seed: int = 0) -> Path:
     """Train the tokenizer on the task's text, build a randomly initialised Qwen2 and save both to ``folder``."""
     import torch
@@ -36,6 +79,8 @@ def build_own_model(folder: Path, seed: int = 0) -> Path:
 
     corpus = [f"<|im_start|>user\n{r['prompt']}<|im_end|>\n<|im_start|>assistant\n{r['answer']}<|im_end|>"
               for r in addition_rows(1600, seed=seed + 1)]
+    corpus += [f"{r['prompt'][0]['content']} {r['prompt'][1]['content']} {r['answer']}"
+               for r in gsm8k_rows(400, seed=seed + 1)]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()

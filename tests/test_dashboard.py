@@ -132,10 +132,14 @@ def test_sweep_dashboard_is_one_self_contained_html(tmp_path, mlflow_server, exp
                       "panel-replay": ["scatter"] * 2, "panel-reroll": ["scatter"] * 3,
                       "panel-balance": ["scatter"] * 3, "panel-async": ["scatter"] * 5,
                       "panel-step-time": ["scatter"] * 3}
+    # Trials are told apart by the param values that differ between them, not by their names (#15).
+    legends = ["learning_rate=1e-05, num_generations=4", "learning_rate=3e-05, num_generations=4",
+               "learning_rate=0.0001, num_generations=8"]
     reward = [t for t in traces["panel-reward"] if t["yaxis"] == "y"]
-    assert [t["name"] for t in reward] == list(SWEEP_RUNS) and all(len(t["x"]) == STEPS for t in reward)
-    assert traces["panel-eval"][1]["x"] == list(SWEEP_RUNS) and traces["panel-eval"][1]["y"] == pytest.approx(
+    assert [t["name"] for t in reward] == legends and all(len(t["x"]) == STEPS for t in reward)
+    assert traces["panel-eval"][1]["x"] == legends and traces["panel-eval"][1]["y"] == pytest.approx(
         [0.4, 0.5, 0.6])
+    assert re.search(r'id="run-count">3 runs<', page)
 
     table = page[page.index('<table id="final-metrics"'):page.index("</table>")]
     header = re.findall(r"<th[^>]*>([^<]*)</th>", table)
@@ -158,6 +162,8 @@ def test_experiment_dashboard_has_every_run(tmp_path, mlflow_server, experiment)
         assert name in page
     assert f"GRPO experiment {experiment['experiment']}" in page
     assert plot_div_ids(page)[0] == "panel-reward"
+    # the sweep's parent run logs no training metrics: counted, and said to be without curves
+    assert re.search(r'id="run-count">5 runs, 4 with training curves<', page)
 
 
 def test_unknown_experiment_lists_existing_ones(tmp_path, mlflow_server, experiment):
@@ -204,3 +210,25 @@ def test_cli(tmp_path, mlflow_server, experiment):
                                   "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"])
     assert missing.exit_code == 2 and "no MLflow store at" in missing.stderr
     assert not (tmp_path / "none.db").exists()
+
+
+def test_legend_labels_name_runs_by_the_params_that_differ():
+    from dashboards.comparison import RunData, legend_labels
+
+    def run(name: str, **params: str) -> RunData:
+        return RunData(run_id=name, name=name, label=name, status="FINISHED", start_ms=None, end_ms=None,
+                       params={"model.name": "tiny", **{k.replace("__", "."): v for k, v in params.items()}},
+                       latest={})
+
+    # the same last part in two sections: the full key names both
+    runs = [run("a", grpo__beta="0.0", warm__beta="1"), run("b", grpo__beta="0.04", warm__beta="1"),
+            run("c", grpo__beta="0.04", warm__beta="2")]
+    assert legend_labels(runs) == ["grpo.beta=0.0, warm.beta=1", "grpo.beta=0.04, warm.beta=1",
+                                   "grpo.beta=0.04, warm.beta=2"]
+    # a param one run lacks differs too; two runs with the same values keep their names
+    runs = [run("a", grpo__lr="1"), run("b", grpo__lr="1"), run("c")]
+    assert legend_labels(runs) == ["lr=1 (a)", "lr=1 (b)", "lr=—"]
+    # unrelated runs (more than three params differ) and identical ones keep their names
+    many = [run("a", p1="1", p2="1", p3="1", p4="1"), run("b", p1="2", p2="2", p3="2", p4="2")]
+    assert legend_labels(many) == ["a", "b"]
+    assert legend_labels([run("a"), run("b")]) == ["a", "b"] and legend_labels([run("solo", x="1")]) == ["solo"]

@@ -103,6 +103,21 @@ def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefe
     assert {"dataset-prep", "dataset-stats", "sampler-plan", "plan-balance", "training-progress", "eval-before",
             "eval-after", "eval-samples-after", "mlflow-run", "grpo-run-summary"} <= set(keys)
     assert keys.count("mlflow-run") == 1 and keys.count("grpo-run-summary") == 1, keys
+    # the pipeline's own flow run repeats the key facts (#15): data, plan, the outcome in a table
+    own = {a["key"]: a for a in prefect_api("artifacts/filter", {"limit": 50, "offset": 0, "artifacts": {
+        "flow_run_id": {"any_": [flow_run_id]}}})}
+    assert {"mlflow-run", "grpo-run-summary", "run-dataset", "run-plan"} <= set(own), sorted(own)
+    assert "rows in: **" in own["run-dataset"]["description"] and "train" in own["run-dataset"]["data"]
+    assert "optimizer steps: 8" in own["run-plan"]["data"]
+    outcome = own["grpo-run-summary"]["data"]
+    assert re.search(r"\| eval accuracy \| \d\.\d{3} → \*\*\d\.\d{3}\*\* \([+-]\d\.\d{3}\) \|", outcome), outcome
+    assert f"| MLflow run | `{summary['mlflow_run_id']}` |" in outcome and "| optimizer steps | 8 |" in outcome
+    # the progress artifact says more than a percentage: the step, the reward, the accuracy before training
+    [progress] = [a for a in prefect_api("artifacts/filter", {"limit": 50, "offset": 0, "artifacts": {
+        "flow_run_id": {"any_": ids}, "key": {"any_": ["training-progress"]}}})]
+    assert progress["data"] == 100.0
+    assert re.fullmatch(r"step 8/8 · reward \d\.\d{3} ±\d\.\d\d · eval accuracy before \d\.\d{3}",
+                        progress["description"]), progress["description"]
 
     # MLflow: params = the flattened config, every stage's metrics with steps, artifacts, the model, the tags.
     client = MlflowClient(mlflow_server.uri)

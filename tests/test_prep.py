@@ -110,6 +110,46 @@ def test_csv_keeps_text_and_chat_format(tmp_path):
     assert result.stats["splits"]["eval"]["rows_in"] == 4  # ceil(8 * 0.4), split over raw rows
 
 
+def test_conversational_prompts_pass_through_and_bad_conversations_are_quarantined(tmp_path):
+    """TRL's conversational format: a prompt that is a list of {role, content} messages is kept as it is (with or
+    without prompt_format chat); limits apply to its text, duplicates compare whole conversations, and anything
+    else shaped like a list is quarantined with what is wrong with it."""
+    def conv(*turns):
+        return [{"role": r, "content": c} for r, c in turns]
+
+    good = [{"prompt": conv(("system", "Be brief."), ("user", f"q{i}?")), "answer": str(i), "level": i % 2}
+            for i in range(6)]
+    bad = [
+        ({"prompt": conv(("narrator", "once")), "answer": "1"}, ["prompt_type"], "message 0 has role 'narrator'"),
+        ({"prompt": [{"role": "user"}], "answer": "1"}, ["prompt_type"], "message 0 has keys ['role']"),
+        ({"prompt": [], "answer": "1"}, ["prompt_type"], "no messages"),
+        ({"prompt": conv(("user", 7)), "answer": "1"}, ["prompt_type"], "message 0's content is a int"),
+        ({"prompt": conv(("system", " "), ("user", "")), "answer": "1"}, ["prompt_empty"], "empty"),
+        ({"prompt": conv(("user", "x" * 30), ("assistant", "y" * 11)), "answer": "1"}, ["prompt_too_long"],
+         "has 42 chars, more than max_prompt_chars=40"),  # 30 + newline + 11
+        ({"prompt": conv(("system", "Be brief."), ("user", "q2?")), "answer": "2"}, ["duplicate_prompt"],
+         "repeats the prompt of source row 2"),
+    ]
+    rows = good + [r for r, _, _ in bad]
+    path = write_jsonl(tmp_path / "conv.jsonl", rows)
+    result = prepare_dataset(cfg_for(path, prompt_format="chat", system_prompt="ignored for conversations",
+                                     eval_fraction=0.25), tmp_path / "out", max_prompt_chars=40)
+    assert quarantine_of(result) == {6 + k: rules for k, (_, rules, _) in enumerate(bad)}
+    assert_reconciles(result, len(rows))
+    reasons = {r["source_row"]: r["reason"] for r in map(json.loads, result.paths["quarantine_jsonl"].read_text()
+                                                          .splitlines())}
+    for k, (_, _, why) in enumerate(bad):
+        assert why in reasons[6 + k], (why, reasons[6 + k])
+    assert "role in ['system', 'user', 'assistant']" in reasons[6]
+    assert sorted(prepared_rows(result), key=lambda r: r["answer"]) == sorted(good, key=lambda r: r["answer"])
+    assert result.stats["prompt_chars"]["max"] == len("Be brief.\nq0?")
+
+    # text and conversation prompts in one file: refused with the column named (parquet stores one type per column)
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "q1?", "answer": "1"}, *good])
+    with pytest.raises(DataError, match="column 'prompt' mixes types"):
+        prepare_dataset(cfg_for(mixed), tmp_path / "out-mixed")
+
+
 def test_parquet_numbers_become_text_and_extras_keep_types(tmp_path):
     path = tmp_path / "qa.parquet"
     pq.write_table(pa.table({"q": ["one", "two", "three", "four"], "a": [1, None, 3, 40], "w": [0.5, 1.0, 1.5, 2.0]}),

@@ -52,8 +52,16 @@ def plan_dir_for(cfg: ExperimentConfig, data_hash: str) -> Path:
     payload = {"data": data_hash, "layout": cfg.batch_layout.cache_key_payload(),
                "sampling": cfg.sampling.model_dump(mode="json"),
                "grpo": {"max_steps": cfg.grpo.max_steps, "seed": cfg.grpo.seed},
-               "tokenizer": tokenizer_fingerprint(cfg.model.name_or_path)}
+               "tokenizer": tokenizer_fingerprint(cfg.model.name_or_path), **_chat_template_key(cfg)}
     return cache_root() / "plans" / stage_key("plan", payload, PLAN_CODE)
+
+
+def _chat_template_key(cfg) -> dict[str, str]:
+    """The plan's key part for ``model.chat_template`` (none when unset, so earlier plans keep their keys)."""
+    from grpo.training.policy import chat_template_text
+
+    text = chat_template_text(cfg.model.chat_template)
+    return {"chat_template": hashlib.sha256(text.encode()).hexdigest()[:16]} if text else {}
 
 
 def tokenizer_fingerprint(name_or_path: str) -> str:

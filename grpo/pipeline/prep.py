@@ -40,9 +40,9 @@ SPLITS = ("train", "eval")
 RULES: dict[str, str] = {
     "malformed_record": "the line/item is not a JSON object",
     "prompt_present": "prompt missing or null",
-    "prompt_type": "prompt is not a string",
-    "prompt_empty": "prompt empty or whitespace only",
-    "prompt_too_long": "prompt longer than max_prompt_chars",
+    "prompt_type": "prompt is neither a string nor a list of {role, content} messages (TRL's conversational format)",
+    "prompt_empty": "prompt (every message's content) empty or whitespace only",
+    "prompt_too_long": "prompt (its messages' contents together) longer than max_prompt_chars",
     "answer_present": "answer missing or null",
     "answer_type": "answer is not a string or number",
     "answer_not_finite": "answer is a non-finite number (Infinity); no completion can match it",
@@ -51,6 +51,8 @@ RULES: dict[str, str] = {
     "answer_too_long": "answer (after answer_regex) longer than max_answer_chars",
     "duplicate_prompt": "prompt repeats a kept row's prompt (duplicates='drop')",
 }
+# Roles a conversational prompt may use (TRL's conversational format: a list of {"role", "content"} messages).
+MESSAGE_ROLES = ("system", "user", "assistant")
 _QUARANTINE_SCHEMA = pyarrow.schema([
     ("source_row", pyarrow.int64()), ("split", pyarrow.string()), ("rules", pyarrow.list_(pyarrow.string())),
     ("reason", pyarrow.string()), ("prompt", pyarrow.string()), ("answer", pyarrow.string()),
@@ -429,9 +431,9 @@ def _schema(limits: _Limits) -> pa.DataFrameSchema:
         {
             "prompt": pa.Column(nullable=True, checks=[
                 check("prompt_present", lambda v: v is not None),
-                check("prompt_type", lambda v: v is None or isinstance(v, str)),
-                check("prompt_empty", lambda v: not isinstance(v, str) or bool(v.strip())),
-                check("prompt_too_long", lambda v: not isinstance(v, str) or len(v) <= max_prompt),
+                check("prompt_type", lambda v: v is None or isinstance(v, str) or _is_messages(v)),
+                check("prompt_empty", lambda v: (t := _prompt_text(v)) is None or bool(t.strip())),
+                check("prompt_too_long", lambda v: (t := _prompt_text(v)) is None or len(t) <= max_prompt),
             ]),
             "answer": pa.Column(nullable=True, checks=[
                 check("answer_present", lambda v: v is not None),
@@ -471,9 +473,10 @@ def _check_duplicates(
     """
     if policy == "keep":
         return {}
-    strings = frame[frame["prompt"].map(lambda v: isinstance(v, str))]
+    keys = frame["prompt"].map(_prompt_key)  # text, or a conversation as canonical JSON
+    keyed = pd.DataFrame({"prompt": keys[keys.notna()]})
     # Otherwise-valid rows first (stable), so pandera's "exclude_first" keeps the right copy.
-    ranked = strings.loc[sorted(strings.index, key=lambda i: (i in failures, i))]
+    ranked = keyed.loc[sorted(keyed.index, key=lambda i: (i in failures, i))]
     schema = pa.DataFrameSchema({"prompt": pa.Column(unique=True, report_duplicates="exclude_first")})
     try:
         schema.validate(ranked[["prompt"]], lazy=True)
@@ -483,13 +486,13 @@ def _check_duplicates(
     kept: dict[str, int] = {}
     for i, prompt in ranked["prompt"].items():
         kept.setdefault(prompt, int(i))
-    dup_of = {i: kept[frame.at[i, "prompt"]] for i in dups}
+    dup_of = {i: kept[keys[i]] for i in dups}
     if policy == "error":
         clashes = [i for i in dups if i not in failures]
         if clashes:
             shown = "; ".join(
                 f"source row {raw.source_row[i]} ({raw.split[i]}) repeats source row {raw.source_row[dup_of[i]]} "
-                f"({raw.split[dup_of[i]]}): {_preview(frame.at[i, 'prompt'])}"
+                f"({raw.split[dup_of[i]]}): {_preview(_prompt_text(frame.at[i, 'prompt']) or '')}"
                 for i in clashes[:10]
             )
             more = f"; ... {len(clashes) - 10} more" if len(clashes) > 10 else ""
@@ -507,6 +510,27 @@ def _check_duplicates(
     for i in dups:
         failures.setdefault(i, []).append("duplicate_prompt")
     return notes
+
+
+def _is_messages(value: Any) -> bool:
+    """A conversational prompt: a non-empty list of ``{"role", "content"}`` messages with a known role and text."""
+    return (isinstance(value, (list, tuple)) and len(value) > 0 and all(
+        isinstance(m, dict) and set(m) == {"role", "content"} and m["role"] in MESSAGE_ROLES
+        and isinstance(m["content"], str) for m in value))
+
+
+def _prompt_text(value: Any) -> str | None:
+    """The text a prompt's limits apply to: a string itself, a conversation's contents joined; None otherwise."""
+    if isinstance(value, str):
+        return value
+    return "\n".join(m["content"] for m in value) if _is_messages(value) else None
+
+
+def _prompt_key(value: Any) -> str | None:
+    """What makes two prompts the same one (duplicates): the text, or the whole conversation, roles included."""
+    if isinstance(value, str):
+        return value
+    return json.dumps([[m["role"], m["content"]] for m in value], ensure_ascii=False) if _is_messages(value) else None
 
 
 def _preview(text: str, n: int = 60) -> str:
@@ -532,7 +556,11 @@ def _reason(rule: str, i: int, cfg: DataConfig, raw: _Raw, frame: pd.DataFrame, 
             col = cfg.prompt_column if rule == "prompt_present" else cfg.answer_column
             return f"{rule.split('_')[0]} column {col!r} is " + ("null" if col in rec else "missing from the row")
         case "prompt_type":
-            return f"prompt column {pc} must be a string, got {type(prompt).__name__}"
+            got = type(prompt).__name__
+            if isinstance(prompt, (list, tuple)):
+                got = f"a list that is not a conversation ({_message_problem(prompt)})"
+            return (f"prompt column {pc} must be a string or a list of {{'role', 'content'}} messages with role in "
+                    f"{list(MESSAGE_ROLES)} and text content, got {got}")
         case "answer_type":
             return f"answer column {ac} must be a string or a number, got {type(answer).__name__}"
         case "answer_not_finite":
@@ -540,7 +568,8 @@ def _reason(rule: str, i: int, cfg: DataConfig, raw: _Raw, frame: pd.DataFrame, 
         case "prompt_empty":
             return f"prompt column {pc} is empty or whitespace only"
         case "prompt_too_long":
-            return f"prompt column {pc} has {len(prompt)} chars, more than max_prompt_chars={limits.max_prompt}"
+            return (f"prompt column {pc} has {len(_prompt_text(prompt) or '')} chars, more than "
+                    f"max_prompt_chars={limits.max_prompt}")
         case "answer_regex":
             return f"answer column {ac} does not match answer_regex {pattern.pattern!r}"  # type: ignore[union-attr]
         case "answer_empty":
@@ -550,6 +579,22 @@ def _reason(rule: str, i: int, cfg: DataConfig, raw: _Raw, frame: pd.DataFrame, 
         case "duplicate_prompt":
             return f"prompt column {pc} {dup_notes[i]}"
     raise RuntimeError(f"prep: no reason text for rule {rule!r}")
+
+
+def _message_problem(messages: list | tuple) -> str:
+    """The first thing wrong with a would-be conversation, for the quarantine reason."""
+    if not messages:
+        return "no messages"
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"message {k} is a {type(m).__name__}, not an object"
+        if set(m) != {"role", "content"}:
+            return f"message {k} has keys {sorted(m)}, not exactly ['content', 'role']"
+        if m["role"] not in MESSAGE_ROLES:
+            return f"message {k} has role {m['role']!r}"
+        if not isinstance(m["content"], str):
+            return f"message {k}'s content is a {type(m['content']).__name__}, not text"
+    return "unknown"
 
 
 def _raw_text(value: Any) -> str | None:
@@ -582,11 +627,13 @@ def _prepared_tables(cfg: DataConfig, raw: _Raw, frame: pd.DataFrame, valid: lis
     Built as one table and then split, so train and eval always share a schema.
     """
 
-    def prompt_of(text: str) -> str | list[dict[str, str]]:
+    def prompt_of(value: str | list[dict[str, str]]) -> str | list[dict[str, str]]:
+        if not isinstance(value, str):  # a conversation already (TRL's conversational format): as it is
+            return [{"role": m["role"], "content": m["content"]} for m in value]
         if cfg.prompt_format != "chat":
-            return text
+            return value
         system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-        return [*system, {"role": "user", "content": text}]
+        return [*system, {"role": "user", "content": value}]
 
     mapped = {cfg.prompt_column, cfg.answer_column, "prompt", "answer"}
     extras = [c for c in _columns_of(raw.records) if c not in mapped]
@@ -642,7 +689,7 @@ def _stats(cfg: DataConfig, raw: _Raw, frame: pd.DataFrame, failures: dict[int, 
         **total,
         "splits": splits,
         "rules": dict(sorted(rule_counts.items())),
-        "prompt_chars": _length_stats([len(frame.at[i, "prompt"]) for i in valid]),
+        "prompt_chars": _length_stats([len(_prompt_text(frame.at[i, "prompt"]) or "") for i in valid]),
         "answer_chars": _length_stats([len(_extracted(frame.at[i, "answer"], pattern) or "") for i in valid]),
     }
 

@@ -91,7 +91,7 @@ def _load_policy(cfg: ExperimentConfig, data: DatasetDict, log=print) -> Policy:
         return _tiny_policy(cfg, data, log)
     start = time.perf_counter()
     dtype = "auto" if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+    tokenizer = load_tokenizer(cfg)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     kwargs = {"dtype": dtype}
@@ -169,12 +169,28 @@ def _warm_start_with_progress(model, tokenizer, data: DatasetDict, cfg: Experime
         )
 
 
+def chat_template_text(template: str | None) -> str | None:
+    """``model.chat_template``: the contents of a ``.jinja`` file it names, else the template itself (or None)."""
+    if template and template.endswith(".jinja"):
+        return Path(template).expanduser().read_text(encoding="utf-8")
+    return template
+
+
+def load_tokenizer(cfg: ExperimentConfig) -> PreTrainedTokenizerBase:
+    """The model's tokenizer with ``model.chat_template`` in place of its own, when set."""
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+    template = chat_template_text(cfg.model.chat_template)
+    if template:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
 def plan_tokenizer(cfg: ExperimentConfig) -> Any | None:
     """The tokenizer prompt lengths are counted with: None (characters) for the tiny model, the model's otherwise."""
     if cfg.model.is_tiny:
         return None
     try:
-        return AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+        return load_tokenizer(cfg)
     except Exception as err:  # missing files, offline hub, unknown id: all user-facing
         name = cfg.model.name_or_path
         raise ConfigError(f"model.name_or_path {name!r}: could not load its tokenizer: {err}") from None
