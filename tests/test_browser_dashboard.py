@@ -63,7 +63,9 @@ def test_dashboard_renders_in_chromium(tmp_path, mlflow_server):
     assert all(count >= 1 for count in svgs), dict(zip(rendered, svgs))
     assert reward_lines == 2 * len(SWEEP_RUNS)  # reward and reward_std subplots
     assert bars == 2 * len(SWEEP_RUNS)  # before and after per run
-    assert legend == list(SWEEP_RUNS)
+    # trials are told apart by the params that differ between them, as a user reads the legend (#15)
+    assert legend == ["learning_rate=1e-05, num_generations=4", "learning_rate=3e-05, num_generations=4",
+                      "learning_rate=0.0001, num_generations=8"]
     assert table_rows == len(SWEEP_RUNS)
     assert title == "GRPO sweep sweep-lr"
     assert not errors, errors
