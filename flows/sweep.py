@@ -188,7 +188,7 @@ def _prepare_shared_inputs(configs: list[ExperimentConfig]) -> dict[int, str]:
     """Prep, plan and tiny-model warm start once per distinct key (sequentially); returns {trial: error} for trials
     whose shared inputs could not be built (they are recorded as failed without running)."""
     from flows.stages import plan_flow, prep_flow
-    from grpo.pipeline.cache_dirs import plan_dir_for, prep_dir_for
+    from grpo.pipeline.cache_dirs import plan_dir_for
 
     done: dict[str, Any] = {}
     errors: dict[int, str] = {}
@@ -205,7 +205,8 @@ def _prepare_shared_inputs(configs: list[ExperimentConfig]) -> dict[int, str]:
 
     for i, cfg in enumerate(configs):
         try:
-            prep = once(f"prep:{prep_dir_for(cfg)}", lambda: prep_flow(cfg))
+            # keyed on the data config: prep_flow fingerprints the source itself (reading a file once, not per trial)
+            prep = once(f"prep:{json.dumps(cfg.data.model_dump(mode='json'), sort_keys=True)}", lambda: prep_flow(cfg))
             once(f"plan:{plan_dir_for(cfg, prep['content_hash'])}",
                  lambda: plan_flow(cfg, prep["data_dir"], prep["content_hash"]))
             if cfg.model.is_tiny:

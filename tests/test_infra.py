@@ -555,9 +555,20 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
             run_name.locator("textarea").fill("from-the-ui")
             page.screenshot(path=str(SCREENSHOTS / "prefect-run-form.png"))
             page.get_by_role("button", name="Submit", exact=True).click()
-            page.wait_for_url(re.compile(rf".*/deployments/deployment/{deployment_id}(\?.*)?$"), timeout=30_000)
-            [created] = s.post("flow_runs/filter", {"deployments": {"id": {"any_": [str(deployment_id)]}}}).json()
+            # The run exists once the server has it (the server is shared by the whole suite and may take a while
+            # under load); then the UI leaves the form for the deployment's page.
+            deadline, created = time.monotonic() + 180, []
+            while not created:
+                created = s.post("flow_runs/filter", {"deployments": {"id": {"any_": [str(deployment_id)]}}}).json()
+                if not created:
+                    if time.monotonic() > deadline:
+                        page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-submit-failed.png"))
+                        pytest.fail("no flow run 180 s after Submit; the page says: "
+                                    + page.locator("body").inner_text()[-1500:])
+                    time.sleep(1)
+            [created] = created
             flow_run_id = created["id"]
+            page.wait_for_url(re.compile(rf".*/deployments/deployment/{deployment_id}(\?.*)?$"), timeout=120_000)
 
             worker = s.run(str(BIN / "prefect"), "worker", "start", "--pool", "cpu-pool", "--run-once", "--name",
                            "ui-worker", cwd=tmp_path, timeout=300)
