@@ -197,17 +197,25 @@ class PrefectServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
 
-    def get(self, path: str):
+    def _request(self, method: str, path: str, **kw):
+        """One API call; a 503 (the shared SQLite-backed server busy for a moment under the suite's load) is retried
+        for up to a minute, anything else is returned as it is."""
         import httpx
 
-        response = httpx.get(f"{self.url}/{path}", timeout=30)
+        deadline = time.monotonic() + 60
+        while True:
+            response = httpx.request(method, f"{self.url}/{path}", timeout=30, **kw)
+            if response.status_code != 503 or time.monotonic() > deadline:
+                return response
+            time.sleep(1)
+
+    def get(self, path: str):
+        response = self._request("GET", path)
         response.raise_for_status()
         return response.json()
 
     def post(self, path: str, body: dict):
-        import httpx
-
-        return httpx.post(f"{self.url}/{path}", json=body, timeout=30)
+        return self._request("POST", path, json=body)
 
     def run(self, *cmd: str, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
         return subprocess.run(list(cmd), env=kw.pop("env", None) or self.env(), cwd=kw.pop("cwd", REPO),

@@ -90,12 +90,8 @@ def test_served_runs_are_confined_to_the_allowed_roots(prefect_server, tmp_path)
 
         def start(*overrides: str) -> str:
             cfg = load_config(MICRO, [*base, *overrides]).model_dump(mode="json", by_alias=True)
-            for _ in range(30):  # a busy SQLite server answers 503 for a moment
-                created = s.post(f"deployments/{deployment['id']}/create_flow_run", {"parameters": {"config": cfg}})
-                if created.status_code != 503:
-                    break
-                time.sleep(2)
-            assert created.status_code == 201, created.text
+            created = s.post(f"deployments/{deployment['id']}/create_flow_run", {"parameters": {"config": cfg}})
+            assert created.status_code == 201, created.text  # (a busy server's 503s are retried by s.post)
             return created.json()["id"]
 
         root_run = start("output_dir=/")
