@@ -17,7 +17,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.context import get_run_context
 
 import grpo.pipeline.stages
-from flows.stages import (PrefectProgress, dataset_markdown, dataset_table, eval_flow, plan_flow, plan_markdown, prep_flow,
+from flows.stages import (PrefectProgress, dataset_summary, dataset_table, eval_flow, plan_flow, plan_markdown, prep_flow,
                           summarize_for_ui)
 from grpo.config import DEFAULT_PRESET, ExperimentConfig, load_config, presets, resolve_config
 from grpo.console import quiet_library_noise
@@ -63,8 +63,7 @@ class PrefectStages:
     def prep(self, cfg: ExperimentConfig) -> dict:
         stats = prep_flow(cfg)
         # repeated on the pipeline's own flow run, so its Artifacts tab shows the data without opening the subflow
-        create_table_artifact(key="run-dataset", table=dataset_table(stats),
-                              description=dataset_markdown(cfg, stats).removeprefix("## Dataset prep\n\n"))
+        create_table_artifact(key="run-dataset", table=dataset_table(stats), description=dataset_summary(cfg, stats))
         return stats
 
     def plan(self, cfg: ExperimentConfig, data_dir: str, content_hash: str) -> dict:

@@ -61,15 +61,17 @@ def prep_flow(config: ExperimentConfig) -> dict:
     # a cached result points at a directory; if that was deleted, recompute instead of returning a dangling path
     task_ = prepare_task.with_options(refresh_cache=not _complete(out_dir, "stats.json"))
     stats = task_(config.data.model_dump(mode="json"), str(out_dir), config)
-    create_markdown_artifact(key="dataset-prep", markdown=dataset_markdown(config, stats), description="Dataset prep summary")
+    create_markdown_artifact(key="dataset-prep", markdown=f"## Dataset prep\n\n{dataset_summary(config, stats)}",
+                             description="Dataset prep summary")
     create_table_artifact(key="dataset-stats", table=dataset_table(stats), description="Rows per split and quarantine rules")
     return stats
 
 
-def dataset_markdown(config: ExperimentConfig, stats: dict) -> str:
-    """The prep summary (on the prep subflow, and repeated on the pipeline's own flow run)."""
+def dataset_summary(config: ExperimentConfig, stats: dict) -> str:
+    """The prep summary in markdown (the prep subflow's artifact, and the pipeline flow run's dataset table's
+    description)."""
     quarantine = f" (reasons in `{Path(stats['data_dir']) / 'quarantine.jsonl'}`)" if stats.get("rows_quarantined") else ""
-    return (f"## Dataset prep\n\nSource `{config.data.source}` → `{stats['data_dir']}`\n\n"
+    return (f"Source `{config.data.source}` → `{stats['data_dir']}`\n\n"
             f"- rows in: **{stats['rows_in']}**, valid: **{stats['rows_valid']}**, "
             f"quarantined: **{stats['rows_quarantined']}**{quarantine}\n- content hash: `{stats['content_hash']}`\n")
 
@@ -186,5 +188,5 @@ def summarize_for_ui(summary: dict[str, Any]) -> str:
     return f"## GRPO run `{summary.get('run_name', '')}`\n\n| | |\n| --- | --- |\n{table}\n"
 
 
-__all__ = ["prep_flow", "plan_flow", "eval_flow", "PrefectProgress", "RunDir", "dataset_markdown", "dataset_table",
+__all__ = ["prep_flow", "plan_flow", "eval_flow", "PrefectProgress", "RunDir", "dataset_summary", "dataset_table",
            "plan_markdown", "summarize_for_ui"]

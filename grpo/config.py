@@ -164,6 +164,18 @@ class ModelConfig(_Section):
     def is_tiny(self) -> bool:
         return self.name_or_path == "tiny"
 
+    @property
+    def chat_template_file(self) -> Path | None:
+        """The file ``chat_template`` names (a value ending in ``.jinja``), or None when it is the template itself."""
+        if self.chat_template and self.chat_template.endswith(".jinja"):
+            return Path(self.chat_template).expanduser()
+        return None
+
+    def chat_template_text(self) -> str | None:
+        """The chat template to use instead of the tokenizer's: the file's contents or the inline text (or None)."""
+        path = self.chat_template_file
+        return path.read_text(encoding="utf-8") if path is not None else self.chat_template
+
 
 class SamplingConfig(_Section):
     """How prompts are laid out over ranks (sequence-parallel repeat sampler) and balanced after generation."""
@@ -505,8 +517,7 @@ class ExperimentConfig(_Section):
         if self.model.is_tiny and self.model.chat_template:
             raise ValueError("model.chat_template: the 'tiny' model's character tokenizer takes plain prompts only; "
                              "set it for a model folder or hub model")
-        if self.model.chat_template and self.model.chat_template.endswith(".jinja") \
-                and not Path(self.model.chat_template).expanduser().is_file():
+        if self.model.chat_template_file is not None and not self.model.chat_template_file.is_file():
             raise ValueError(f"model.chat_template: no file {self.model.chat_template!r} (a path must end in .jinja "
                              "and exist; anything else is taken as the template itself)")
         if self.model.is_tiny and self.model.tiny.max_position_embeddings < g.max_completion_length + 8:

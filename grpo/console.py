@@ -2,8 +2,8 @@
 
 Every run prints the same known-harmless lines otherwise: transformers' deprecation of ``gradient_checkpointing``
 (raised by TRL's own calls, twice per checkpoint), MLflow's notes on GPU metrics, model licenses and new stores, and a
-progress bar for each tiny model load/save. The run's own
-progress is :class:`grpo.training.train.ConsoleProgress`'s one line per logged step.
+progress bar for each tiny model load/save. The run's own progress is :class:`grpo.training.train.ConsoleProgress`'s
+one line per logged step.
 """
 
 from __future__ import annotations

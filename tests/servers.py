@@ -9,6 +9,7 @@ also when that is killed (grpo.app.procguard). A test that needs an outage start
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -19,14 +20,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-import json
-
 import pytest
 import requests
 from filelock import FileLock
 
 from grpo.app.procguard import die_with_parent, guarded_command
 from grpo.app.ui import wait_healthy
+
+
+def popen_guarded(cmd: list[str], owner_pid: int | None = None, **kw) -> subprocess.Popen:
+    """``cmd`` under grpo.app.procguard, leading its own process group: the group ends with this process (even when
+    it is SIGKILLed), or with ``owner_pid`` when given (a server one worker starts for the whole session)."""
+    return subprocess.Popen(guarded_command(cmd, owner_pid), start_new_session=True,
+                            preexec_fn=None if owner_pid else die_with_parent(), **kw)
 
 
 def free_port() -> int:
@@ -49,14 +55,6 @@ class MlflowServer:
     def uri(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def info(self) -> dict:
-        return {"root": str(self.root), "port": self.port}
-
-    @classmethod
-    def attach(cls, info: dict) -> MlflowServer:
-        """A handle on a server another process started (its ``stop`` does nothing)."""
-        return cls(Path(info["root"]), info["port"])
-
     def start(self, timeout: float = 90.0, owner_pid: int | None = None) -> MlflowServer:
         cmd = [
             sys.executable, "-m", "mlflow", "server",
@@ -72,8 +70,7 @@ class MlflowServer:
         log = self.log_path.open("ab")
         # Own process group: stop() ends the CLI and the uvicorn worker it spawns, nothing else.
         # The guard ends the group when this process dies, even by SIGKILL (a killed pytest leaves no server).
-        self.proc = subprocess.Popen(guarded_command(cmd, owner_pid), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, preexec_fn=None if owner_pid else die_with_parent())
+        self.proc = popen_guarded(cmd, owner_pid, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         try:
             wait_healthy(f"{self.uri}/health", self.proc, timeout)
@@ -121,9 +118,10 @@ def _xdist_common_dir(tmp_path_factory) -> Path | None:
 
 
 def _session_server(tmp_path_factory, kind: str, server_class):
-    """Yield the session's server of ``kind``: started here without xdist (stopped at the end), or under xdist the
-    one server all workers share. The first worker starts it owned by the controlling pytest process (the workers'
-    parent), so it outlives the worker that started it and ends with the session; the others attach to it."""
+    """Yield the session's server of ``kind`` (a class built from its folder and port): started here without xdist
+    (stopped at the end), or under xdist the one server all workers share. The first worker starts it owned by the
+    controlling pytest process (the workers' parent), so it outlives the worker that started it and ends with the
+    session; the others build a handle from its folder and port (a handle's ``stop`` does nothing)."""
     common = _xdist_common_dir(tmp_path_factory)
     if common is None:
         server = server_class(tmp_path_factory.mktemp(kind)).start()
@@ -135,12 +133,13 @@ def _session_server(tmp_path_factory, kind: str, server_class):
     info = common / f"{kind}.json"
     with FileLock(str(common / f"{kind}.lock")):
         if info.is_file():
-            server = server_class.attach(json.loads(info.read_text()))
+            shared = json.loads(info.read_text())
+            server = server_class(Path(shared["folder"]), shared["port"])
         else:
-            home = common / kind
-            home.mkdir()
-            server = server_class(home).start(owner_pid=os.getppid())
-            info.write_text(json.dumps(server.info()))
+            folder = common / kind
+            folder.mkdir()
+            server = server_class(folder).start(owner_pid=os.getppid())
+            info.write_text(json.dumps({"folder": str(folder), "port": server.port}))
     yield server
 
 
@@ -167,20 +166,10 @@ class PrefectServer:
         return {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_API_URL": self.url,
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1", **extra}
 
-    def info(self) -> dict:
-        return {"home": str(self.home), "port": self.port}
-
-    @classmethod
-    def attach(cls, info: dict) -> PrefectServer:
-        """A handle on a server another process started (its ``stop`` does nothing)."""
-        return cls(Path(info["home"]), info["port"])
-
     def start(self, timeout: float = 120, owner_pid: int | None = None) -> PrefectServer:
         with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(guarded_command([str(BIN / "prefect"), "server", "start", "--host",
-                                                          "127.0.0.1", "--port", str(self.port)], owner_pid),
-                                         env=self.env(), stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=None if owner_pid else die_with_parent())
+            self.proc = popen_guarded([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
+                                       str(self.port)], owner_pid, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_healthy(f"{self.url}/health", self.proc, timeout)
         except RuntimeError as err:

@@ -58,9 +58,7 @@ def plan_dir_for(cfg: ExperimentConfig, data_hash: str) -> Path:
 
 def _chat_template_key(cfg) -> dict[str, str]:
     """The plan's key part for ``model.chat_template`` (none when unset, so earlier plans keep their keys)."""
-    from grpo.training.policy import chat_template_text
-
-    text = chat_template_text(cfg.model.chat_template)
+    text = cfg.model.chat_template_text()
     return {"chat_template": hashlib.sha256(text.encode()).hexdigest()[:16]} if text else {}
 
 

@@ -56,7 +56,7 @@ def config_paths(cfg) -> dict[str, str]:
     name = cfg.model.name_or_path
     if name != "tiny" and (name.startswith(("/", ".", "~")) or Path(name).exists()):
         paths["model.name_or_path"] = name  # a local model directory (a hub id otherwise)
-    if cfg.model.chat_template and cfg.model.chat_template.endswith(".jinja"):
+    if cfg.model.chat_template_file is not None:
         paths["model.chat_template"] = cfg.model.chat_template
     return paths
 

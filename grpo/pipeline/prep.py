@@ -514,9 +514,7 @@ def _check_duplicates(
 
 def _is_messages(value: Any) -> bool:
     """A conversational prompt: a non-empty list of ``{"role", "content"}`` messages with a known role and text."""
-    return (isinstance(value, (list, tuple)) and len(value) > 0 and all(
-        isinstance(m, dict) and set(m) == {"role", "content"} and m["role"] in MESSAGE_ROLES
-        and isinstance(m["content"], str) for m in value))
+    return isinstance(value, (list, tuple)) and _message_problem(value) is None
 
 
 def _prompt_text(value: Any) -> str | None:
@@ -581,8 +579,8 @@ def _reason(rule: str, i: int, cfg: DataConfig, raw: _Raw, frame: pd.DataFrame, 
     raise RuntimeError(f"prep: no reason text for rule {rule!r}")
 
 
-def _message_problem(messages: list | tuple) -> str:
-    """The first thing wrong with a would-be conversation, for the quarantine reason."""
+def _message_problem(messages: list | tuple) -> str | None:
+    """The first thing wrong with a would-be conversation (the quarantine reason), None for a valid one."""
     if not messages:
         return "no messages"
     for k, m in enumerate(messages):
@@ -594,7 +592,7 @@ def _message_problem(messages: list | tuple) -> str:
             return f"message {k} has role {m['role']!r}"
         if not isinstance(m["content"], str):
             return f"message {k}'s content is a {type(m['content']).__name__}, not text"
-    return "unknown"
+    return None
 
 
 def _raw_text(value: Any) -> str | None:

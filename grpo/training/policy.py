@@ -169,17 +169,10 @@ def _warm_start_with_progress(model, tokenizer, data: DatasetDict, cfg: Experime
         )
 
 
-def chat_template_text(template: str | None) -> str | None:
-    """``model.chat_template``: the contents of a ``.jinja`` file it names, else the template itself (or None)."""
-    if template and template.endswith(".jinja"):
-        return Path(template).expanduser().read_text(encoding="utf-8")
-    return template
-
-
 def load_tokenizer(cfg: ExperimentConfig) -> PreTrainedTokenizerBase:
     """The model's tokenizer with ``model.chat_template`` in place of its own, when set."""
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
-    template = chat_template_text(cfg.model.chat_template)
+    template = cfg.model.chat_template_text()
     if template:
         tokenizer.chat_template = template
     return tokenizer
