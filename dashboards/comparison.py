@@ -10,7 +10,10 @@
   ``eval/accuracy_before``/``eval/accuracy_after``, pass@k and wall time,
 * panels for zero-std groups / skipped zero-advantage batches, the replay buffer, reroll, batch balance, async
   rollouts, step time and system metrics, each only when at least one run logged one of its metrics (the page lists
-  the panels left out).
+  the panels left out),
+* for a sweep: Optuna's parameter importances over its study (bars and a table), as the sweep computed them
+  (``importances``, else the parent run's ``sweep/importances.json``), or the reason there are none. A trial that
+  the study pruned shows the status PRUNED (its MLflow run is FINISHED with tag ``grpo.sweep.pruned``).
 
 plotly.js is inlined once in the page (no CDN, no other file), so the HTML opens offline. ``log_dashboard`` uploads
 the file as an artifact of a run (e.g. the sweep's parent run).
@@ -72,6 +75,8 @@ METRIC_PANELS = (
           pattern=r"system/gpu_\d+_utilization_percentage"),
 )
 EVAL_DIV_ID = "panel-eval"
+IMPORTANCE_DIV_ID = "panel-importances"
+IMPORTANCES_ARTIFACT = "sweep/importances.json"
 EVAL_BEFORE, EVAL_AFTER = "eval/accuracy_before", "eval/accuracy_after"
 _PASS_AT_K = re.compile(r"eval/pass_at_(\d+)_after")
 
@@ -196,7 +201,7 @@ def _collect(client, mlflow_runs: list) -> list[RunData]:
         name = r.info.run_name or r.info.run_id[:8]
         runs.append(RunData(
             run_id=r.info.run_id, name=name, label=name if counts[name] == 1 else f"{name} ({r.info.run_id[:6]})",
-            status=r.info.status, start_ms=r.info.start_time, end_ms=r.info.end_time, params=dict(r.data.params),
+            status="PRUNED" if r.data.tags.get("grpo.sweep.pruned") == "true" else r.info.status, start_ms=r.info.start_time, end_ms=r.info.end_time, params=dict(r.data.params),
             latest={k: v for k, v in r.data.metrics.items() if v is not None}, color=_COLORS[i % len(_COLORS)]))
     wanted = set(REWARD_PANEL.metrics)
     for panel in METRIC_PANELS:
@@ -298,6 +303,43 @@ def _eval_panel(runs: list[RunData]) -> tuple[str, int] | None:
     return _figure_html(fig, EVAL_DIV_ID, 380), len(fig.data)
 
 
+def _importance_panel(importances: dict) -> tuple[str, int] | None:
+    """Horizontal bars of the study's parameter importances (largest on top) and the same as a table; or the note
+    saying why there are none."""
+    import plotly.graph_objects as go
+
+    values = importances.get("importances") or {}
+    head = (f'<p class="desc">Optuna fANOVA importances over the {importances.get("completed_trials", "?")} completed '
+            f'trials of study <code>{html.escape(str(importances.get("study", "")))}</code> (all its invocations): the '
+            f"share of the metric's variance each param explains.</p>")
+    if not values:
+        note = (importances.get("note") or "no importances").rstrip(".")
+        return f'{head}<p class="note" id="importances-note">{html.escape(note)}.</p>', 0
+    items = sorted(values.items(), key=lambda kv: kv[1])
+    fig = go.Figure(go.Bar(x=[v for _, v in items], y=[k for k, _ in items], orientation="h", marker_color="#2B6CB0",
+                           text=[f"{v:.3f}" for _, v in items], textposition="outside",
+                           hovertemplate="%{y}<br>importance %{x:.4f}<extra></extra>"))
+    height = 120 + 36 * len(items)
+    fig.update_layout(height=height, template="plotly_white", xaxis_title="importance", xaxis_range=[0, 1.1],
+                      margin={"l": 200, "r": 30, "t": 20, "b": 40})
+    rows = "".join(f"<tr><td class=param>{html.escape(k)}</td><td>{v:.4f}</td></tr>" for k, v in values.items())
+    table = (f'<table id="importances-table" class="metrics"><thead><tr><th>param</th><th>importance</th></tr>'
+             f"</thead><tbody>{rows}</tbody></table>")
+    return head + _figure_html(fig, IMPORTANCE_DIV_ID, height) + table, len(fig.data)
+
+
+def _stored_importances(client, sweep_run_id: str) -> dict | None:
+    """The importances the sweep logged on its parent run (``grpo dashboard --sweep`` after the sweep)."""
+    import json
+    import tempfile
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            return json.loads(Path(client.download_artifacts(sweep_run_id, IMPORTANCES_ARTIFACT, tmp)).read_text())
+    except Exception:  # a sweep from before importances, or an experiment page: no panel
+        return None
+
+
 # ---------------------------------------------------------------------------------------------------- table
 
 
@@ -390,7 +432,7 @@ th.param, td.param { color: #3e4c59; font-family: ui-monospace, Menlo, Consolas,
 .swatch { display: inline-block; width: 10px; height: 10px; border-radius: 2px; margin-right: 6px; }
 td.run a { color: inherit; text-decoration: none; }
 td.run a:hover { text-decoration: underline; }
-.status-finished { color: #1e7e34; } .status-failed, .status-killed { color: #c0392b; } .status-running { color: #b7791f; }
+.status-finished { color: #1e7e34; } .status-pruned { color: #6b7280; } .status-failed, .status-killed { color: #c0392b; } .status-running { color: #b7791f; }
 """
 
 
@@ -408,7 +450,7 @@ def _run_count(runs: list[RunData]) -> str:
 
 
 def render(runs: list[RunData], *, title: str, subtitle: str, tracking_uri: str, experiment_id: str,
-           generated: datetime) -> tuple[str, list[str]]:
+           generated: datetime, importances: dict | None = None) -> tuple[str, list[str]]:
     """The page and the div ids of the plotly figures in it (in page order)."""
     import plotly.offline
 
@@ -428,6 +470,11 @@ def render(runs: list[RunData], *, title: str, subtitle: str, tracking_uri: str,
     sections.append(_section("final-metrics", "Final metrics",
                              f'<div class="table-wrap">{_table(runs, tracking_uri, experiment_id, now_ms)}</div>',
                              "Params listed are the ones whose values differ between the runs."))
+    if importances is not None:
+        made = _importance_panel(importances)
+        sections.append(_section(IMPORTANCE_DIV_ID, "Parameter importances (Optuna)", made[0]))
+        if made[1]:
+            plot_ids.append(IMPORTANCE_DIV_ID)
     for panel in METRIC_PANELS:
         add_plot(panel.div_id, panel.title, _metric_panel(panel, runs), panel.description)
     if skipped:
@@ -462,8 +509,12 @@ def render(runs: list[RunData], *, title: str, subtitle: str, tracking_uri: str,
     return page, plot_ids
 
 
-def build_dashboard(tracking_uri: str, experiment: str, sweep_run_id: str | None = None, *, out: Path) -> Path:
+def build_dashboard(tracking_uri: str, experiment: str, sweep_run_id: str | None = None, *, out: Path,
+                    importances: dict | None = None) -> Path:
     """Write the comparison dashboard of ``experiment`` (or of the sweep ``sweep_run_id`` in it) to ``out``.
+
+    ``importances`` (a sweep's :func:`flows.sweep.param_importances`) adds the importance panel; for a sweep it is
+    otherwise read from the parent run's ``sweep/importances.json`` when there is one.
 
     Raises :class:`DashboardError` (a ``ValueError``) for an unknown experiment (the message lists the existing
     ones), an unknown sweep run, no runs to compare, or an unreachable store. Returns ``out``.
@@ -477,6 +528,8 @@ def build_dashboard(tracking_uri: str, experiment: str, sweep_run_id: str | None
         sweep_name = parent.info.run_name or sweep_run_id
         title = f"GRPO sweep {sweep_name}"
         subtitle = f"experiment {experiment} · sweep run {sweep_run_id}"
+        if importances is None:
+            importances = _stored_importances(client, sweep_run_id)
     else:
         mlflow_runs = _search(client, exp.experiment_id)
         if not mlflow_runs:
@@ -485,7 +538,7 @@ def build_dashboard(tracking_uri: str, experiment: str, sweep_run_id: str | None
         subtitle = f"experiment {experiment} (id {exp.experiment_id})"
     runs = _collect(client, mlflow_runs)
     page, _ = render(runs, title=title, subtitle=subtitle, tracking_uri=tracking_uri,
-                     experiment_id=exp.experiment_id, generated=datetime.now(timezone.utc))
+                     experiment_id=exp.experiment_id, generated=datetime.now(timezone.utc), importances=importances)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")

@@ -1,16 +1,15 @@
 """The pipeline flow: the recipe (:mod:`grpo.pipeline.recipe`: prep → plan → eval (before) → train → eval (after)) with each
 stage a named Prefect subflow; one Prefect flow run and one MLflow run.
 
-The flow's parameter is the experiment config itself, so the Prefect UI renders it as a form. A retry of the flow
-run (or ``grpo run --resume``) continues the same run directory from its last checkpoint and logs into the same
-MLflow run.
+The flow's parameters are the Prefect UI's run form (:mod:`flows.run_form`): a preset, the fields people change most,
+one collapsed group per config section. A retry of the flow run (or ``grpo run --resume``) continues the same run
+directory from its last checkpoint and logs into the same MLflow run.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
@@ -19,7 +18,12 @@ from prefect.context import get_run_context
 import grpo.pipeline.stages
 from flows.stages import (PrefectProgress, dataset_summary, dataset_table, eval_flow, plan_flow, plan_markdown, prep_flow,
                           summarize_for_ui)
-from grpo.config import DEFAULT_PRESET, ExperimentConfig, load_config, presets, resolve_config
+from flows.run_form import (UNSET, AsyncSettings, BatchSizeField, DataSettings, EvaluationSettings, ExperimentSettings,
+                            GRPOSettings, LearningRateField, LossTypeField, MaxStepsField, ModelSettings,
+                            NumGenerationsField, Overrides, PresetChoice, Resume, RewardFuncsField, RunName,
+                            SamplingSettings, SeedField, TrackingSettings, TrackingTags, WholeConfig, form_settings,
+                            given)
+from grpo.config import ExperimentConfig, resolve_config
 from grpo.console import quiet_library_noise
 from grpo.pipeline.confine import check_config_paths
 from grpo.pipeline.recipe import run_recipe
@@ -28,15 +32,6 @@ from grpo.runs import RunDir, open_run_dir
 
 FLOW_RUNS_STARTED: list[str] = []  # this process's pipeline flow runs: the CLI cancels them on Ctrl-C / SIGTERM
 _TRACKERS: dict[str, MlflowTracker] = {}  # run dir -> tracker, shared by the subflows of one pipeline run
-
-
-def default_config() -> ExperimentConfig:
-    return load_config(DEFAULT_PRESET)
-
-
-# The packaged presets as a closed choice, so the Prefect form shows a dropdown.
-_PRESETS = tuple(presets())
-Preset = Literal[_PRESETS] if _PRESETS else str  # type: ignore[valid-type]
 
 
 @flow(name="grpo-train", flow_run_name="train")
@@ -105,34 +100,55 @@ def _ui_url(flow_run_id: str | None) -> str | None:
 
 @flow(name="grpo-pipeline")  # no log_prints: stages log explicitly, library prints stay out of the run log
 def grpo_pipeline(
-    preset: Preset | None = None, config: ExperimentConfig = default_config(), overrides: list[str] | None = None,
-    run_name: str | None = None, resume: bool = False, tracking_tags: dict | None = None,
+    preset: PresetChoice = UNSET,
+    learning_rate: LearningRateField = UNSET,
+    max_steps: MaxStepsField = UNSET,
+    batch_size: BatchSizeField = UNSET,
+    num_generations: NumGenerationsField = UNSET,
+    reward_funcs: RewardFuncsField = UNSET,
+    loss_type: LossTypeField = UNSET,
+    seed: SeedField = UNSET,
+    run_name: RunName = UNSET,
+    resume: Resume = False,
+    data_settings: DataSettings = UNSET,
+    model_settings: ModelSettings = UNSET,
+    grpo_settings: GRPOSettings = UNSET,
+    sampling_settings: SamplingSettings = UNSET,
+    async_settings: AsyncSettings = UNSET,
+    evaluation_settings: EvaluationSettings = UNSET,
+    tracking_settings: TrackingSettings = UNSET,
+    experiment_settings: ExperimentSettings = UNSET,
+    overrides: Overrides = UNSET,
+    config: WholeConfig = UNSET,
+    tracking_tags: TrackingTags = UNSET,
 ) -> dict:
     """Prepare data, plan, evaluate, train with GRPO and evaluate again, tracked in MLflow.
 
-    Args:
-        preset: Start from this preset (grpo/presets/) instead of the config form below.
-        config: The experiment (defaults from the tiny preset). Leave it unchanged when a preset is chosen.
-        overrides: key=value settings applied last, e.g. grpo.learning_rate=2e-4 (the CLI's --set).
-        run_name: Run directory and MLflow run name; a new name is generated when empty. Never overwritten.
-        resume: Continue an existing run directory from its last checkpoint, into the same MLflow run.
-        tracking_tags: Extra MLflow run tags (a sweep sets mlflow.parentRunId to nest its trials).
+    The run form's fields (titles and help in :mod:`flows.run_form`) change the preset (or ``config``) field by
+    field; an empty field keeps its value. From code, pass a whole ``config`` (the CLI and sweeps do).
     """
     quiet_library_noise()
-    config = resolve_config(config, preset, overrides)
+    settings = form_settings(
+        {"learning_rate": learning_rate, "max_steps": max_steps, "batch_size": batch_size,
+         "num_generations": num_generations, "reward_funcs": reward_funcs, "loss_type": loss_type, "seed": seed},
+        {"data_settings": data_settings, "model_settings": model_settings, "grpo_settings": grpo_settings,
+         "sampling_settings": sampling_settings, "async_settings": async_settings,
+         "evaluation_settings": evaluation_settings, "tracking_settings": tracking_settings,
+         "experiment_settings": experiment_settings})
+    config = resolve_config(given(config), given(preset), given(overrides), settings)
     check_config_paths(config)  # a served run (grpo serve) stays inside the allowed roots (#12.15)
     logger = get_run_logger()
     flow_run_id, flow_run_name, attempt = _flow_run_info()
     if flow_run_id is not None:
         FLOW_RUNS_STARTED.append(flow_run_id)
-    name = run_name or f"{config.name}-{flow_run_name or time.strftime('%Y%m%d-%H%M%S')}"
+    name = given(run_name) or f"{config.name}-{flow_run_name or time.strftime('%Y%m%d-%H%M%S')}"
     run_path = Path(config.output_dir) / name
     resume = resume or (attempt > 1 and run_path.exists())  # a retried flow run continues its run directory
     run = open_run_dir(config, name, resume)
     logger.info(f"run directory {run.path} (resume={resume})")
 
     tags = {"prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": flow_run_name,
-            "prefect.deployment": _deployment_name(), "prefect.ui_url": _ui_url(flow_run_id), **(tracking_tags or {})}
+            "prefect.deployment": _deployment_name(), "prefect.ui_url": _ui_url(flow_run_id), **(given(tracking_tags) or {})}
     return run_recipe(config, run, PrefectStages(), resume=resume, log=logger.info, tags=tags,
                       summary_extra={"prefect_flow_run_id": flow_run_id})
 

@@ -145,6 +145,55 @@ class WarmStartConfig(_Section):
     )
 
 
+class LoraSection(_Section):
+    """LoRA adapters (``peft.LoraConfig``, TRL's ``--use_peft --lora_r ...``), passed to ``trl.GRPOTrainer`` as
+    ``peft_config``: the base weights stay frozen and only the adapter trains. The warm start
+    (``model.warm_start``) is supervised training of the full model *before* GRPO; the adapter is added after it."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of the full model (TRL's --use_peft)."""
+    r: int = Field(16, ge=1, description="Adapter rank (TRL's --lora_r, peft's r).")
+    alpha: int = Field(32, ge=1, description="Adapter scale numerator: updates are scaled by alpha / r "
+                       "(TRL's --lora_alpha, peft's lora_alpha).")
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout on the adapter's input (TRL's --lora_dropout, peft's lora_dropout). "
+        "0 keeps GRPO's ratio pi_theta / pi_old exactly 1 on fresh rollouts, as with the dropout-free base model.")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="Modules that get an adapter: 'all-linear' (every linear layer but the output "
+        "layer; for Qwen2 q/k/v/o_proj and gate/up/down_proj), a list of module names (e.g. [q_proj, v_proj]), or a "
+        "regex over full module names (TRL's --lora_target_modules, peft's target_modules). Never the embeddings "
+        "or lm_head: TRL computes log-probs from lm_head.weight directly.")
+    save_merged: bool = Field(
+        False, description="Also write the adapter merged into its base as a plain transformers model (the run's "
+        "model-merged/ folder) and, with tracking.log_model, log it to MLflow as 'merged_model'. The run's model/ "
+        "folder always holds the adapter.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: str | list[str]) -> str | list[str]:
+        names = [value] if isinstance(value, str) else value
+        if not names or any(not n.strip() for n in names):
+            raise ValueError("give 'all-linear', a non-empty list of module names (e.g. [q_proj, v_proj]) or a regex")
+        if isinstance(value, list) and "all-linear" in value:
+            if len(value) > 1:
+                raise ValueError("'all-linear' stands alone: give 'all-linear' or a list of module names, not both")
+            return "all-linear"
+        for name in names:
+            if name.split(".")[-1] in LORA_REFUSED_TARGETS:
+                raise ValueError(f"{name!r} can not carry an adapter: {LORA_REFUSED_TARGETS[name.split('.')[-1]]}; "
+                                 "valid: 'all-linear' or linear layers such as q_proj, k_proj, v_proj, o_proj, "
+                                 "gate_proj, up_proj, down_proj")
+        return value
+
+
+# Modules model.lora.target_modules refuses, and why.
+LORA_REFUSED_TARGETS = {
+    "lm_head": "TRL computes the log-probs from lm_head.weight directly, so its adapter would never train",
+    "embed_tokens": "the output layer shares (ties) its weight in the tiny model and many others, and TRL's log-probs "
+    "read lm_head.weight directly",
+}
+
+
 class ModelConfig(_Section):
     name_or_path: str = Field(
         "tiny", description="'tiny' builds a local character-level Qwen2; anything else is a hub id or local path."
@@ -159,6 +208,19 @@ class ModelConfig(_Section):
     """Shape of the local tiny model (used when name_or_path is 'tiny')."""
     warm_start: WarmStartConfig = WarmStartConfig()
     """Supervised warm start before GRPO."""
+    lora: LoraSection = LoraSection()
+    """LoRA adapters (peft.LoraConfig via TRL's peft_config): train only the adapter; off by default."""
+
+    @model_validator(mode="after")
+    def _lora_needs_a_saved_base(self) -> ModelConfig:
+        if self.lora.enabled and self.warm_start.steps and not self.is_tiny:
+            raise ValueError(
+                f"lora.enabled with warm_start.steps ({self.warm_start.steps}) > 0 for {self.name_or_path!r}: the "
+                "warm start trains the full weights in memory, which are saved nowhere, so the adapter could not be "
+                "loaded onto its real base; set model.warm_start.steps: 0 (or warm-start separately, save that "
+                "model and point name_or_path at it)"
+            )
+        return self
 
     @property
     def is_tiny(self) -> bool:
@@ -506,6 +568,9 @@ class ExperimentConfig(_Section):
                 f"grpo.per_device_train_batch_size ({g.per_device_train_batch_size}), the rows it splits"
             )
         self._loss_layout_rules()
+        if self.model.lora.enabled and g.extra.get("sync_ref_model"):
+            raise ValueError("grpo.extra.sync_ref_model with model.lora.enabled: with an adapter the reference model is "
+                             "the base with the adapter disabled (TRL keeps no copy to sync); drop sync_ref_model")
         if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
             raise ValueError(f"grpo.epsilon_high ({g.epsilon_high}) must be >= grpo.epsilon ({g.epsilon})")
         if g.loss_type == "luspo" and g.importance_sampling_level != "sequence":
@@ -771,9 +836,11 @@ def _config_source(path: str | Path) -> tuple[str, str]:
     raise ConfigError(f"config file not found: {file}{hint}")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                settings: dict | None = None) -> ExperimentConfig:
     """Read YAML from a file or a preset (a name from :func:`presets`, e.g. ``tiny``; a file of that name wins), or
-    the built-in defaults when ``path`` is None; apply ``--set`` overrides, validate."""
+    the built-in defaults when ``path`` is None; merge ``settings`` (a nested mapping, what a run form's fields set),
+    apply ``--set`` overrides, validate."""
     data: dict = {}
     source = "defaults"
     if path is not None:
@@ -791,8 +858,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise ConfigError(f"{source}: top level must be a mapping of sections (data, model, grpo, ...)")
         data = loaded
-    data = apply_overrides(data, overrides or [])
+    data = apply_overrides(merge_settings(data, settings or {}), overrides or [])
     return config_from_dict(data, source)
+
+
+def merge_settings(data: dict, settings: dict) -> dict:
+    """``data`` with the fields of ``settings`` set one by one, section into section (a partial section changes only
+    the fields it names)."""
+    for key, value in settings.items():
+        current = data.get(key)
+        if isinstance(value, dict) and isinstance(current, dict):
+            data[key] = merge_settings(dict(current), value)
+        else:
+            data[key] = value
+    return data
 
 
 def _is_preset(config: ExperimentConfig, preset: str) -> bool:
@@ -802,9 +881,10 @@ def _is_preset(config: ExperimentConfig, preset: str) -> bool:
         return False
 
 
-def resolve_config(config: ExperimentConfig, preset: str | None = None, overrides: list[str] | None = None
-                   ) -> ExperimentConfig:
-    """What a form submits: a preset (replacing ``config``) and/or ``key=value`` overrides on top.
+def resolve_config(config: ExperimentConfig | None, preset: str | None = None, overrides: list[str] | None = None,
+                   settings: dict | None = None) -> ExperimentConfig:
+    """What a form submits: a preset (replacing ``config``; neither means :data:`DEFAULT_PRESET`), then the fields the
+    form sets (``settings``, a nested mapping) and ``key=value`` overrides on top.
 
     A deployment that names a preset keeps it among its parameters; a run of it that also brings a config of its own
     (an edited form, an API call, a sweep trial) would silently train the preset instead, so a config that is neither
@@ -812,17 +892,20 @@ def resolve_config(config: ExperimentConfig, preset: str | None = None, override
     if preset is not None:
         if preset not in presets():
             raise ConfigError(f"preset: unknown preset {preset!r}; valid: {', '.join(presets())}")
-        chosen = load_config(preset, overrides)
+        chosen = load_config(preset, overrides, settings)
         if config is not None and config not in (load_config(DEFAULT_PRESET), chosen) and not _is_preset(config, preset):
             raise ConfigError(
                 f"preset: {preset!r} replaces the whole config, but a changed config was given too; set preset to "
-                "null (None in the run form) to run that config, or keep the preset and change fields with overrides "
+                "null to run that config, or keep the preset and change fields with the form's fields or overrides "
                 "(key=value)"
             )
         return chosen
-    if overrides:
-        data = apply_overrides(config.model_dump(mode="json", by_alias=True), overrides)
-        return config_from_dict(data, "overrides")
+    if config is None:
+        return load_config(DEFAULT_PRESET, overrides, settings)
+    if overrides or settings:
+        data = apply_overrides(merge_settings(config.model_dump(mode="json", by_alias=True), settings or {}),
+                               overrides or [])
+        return config_from_dict(data, "overrides" if not settings else "run form")
     return config
 
 

@@ -25,7 +25,11 @@ HARMLESS_LOG_RECORDS = [("transformers.trainer_utils", "mtime may not be reliabl
                         ("mlflow.system_metrics.system_metrics_monitor", "Skip logging GPU metrics"),
                         ("mlflow.transformers", "Unable to find license information"),
                         ("mlflow.store.db.utils", "Creating initial MLflow database tables"),
-                        ("mlflow.store.db.utils", "Updating database tables")]
+                        ("mlflow.store.db.utils", "Updating database tables"),
+                        # model.lora: how MLflow stores a peft model (adapter, base referenced), said per logged model
+                        ("mlflow.transformers", "Overriding save_pretrained to False for PEFT models"),
+                        ("mlflow.transformers", "Using local base model path"),
+                        ("mlflow.transformers", "Saving only pipeline components")]
 
 
 class _DropRecords(logging.Filter):

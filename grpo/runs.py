@@ -51,6 +51,11 @@ class RunDir:
     def model_dir(self) -> Path:
         return self.path / "model"
 
+    @property
+    def merged_model_dir(self) -> Path:
+        """The LoRA adapter merged into its base, a plain transformers model (``model.lora.save_merged``)."""
+        return self.path / "model-merged"
+
     def inputs(self) -> dict:
         """Where this run's prepared data and sampler plan live (written by the pipeline's plan stage)."""
         return self.read_json("inputs.json") or {}

@@ -133,6 +133,8 @@ def config_dict(row: Row, world: int, steps: int, timeout_s: int) -> dict:
         extra["entropy_coef"] = 0.01
     data = yaml.safe_load((Path(__file__).parent / "micro.yaml").read_text())
     data["model"]["warm_start"]["steps"] = 0
+    if row.get("lora"):  # probes only (not a pairwise option)
+        data["model"]["lora"] = {"enabled": True, "r": 4, "alpha": 8}
     data["evaluation"] = {"enabled": False}
     data["sampling"] = {"world_size": world, "seqlen_balancing": row["balancing"]}
     data["grpo"].update({
@@ -168,6 +170,10 @@ PROBES: dict[str, Row] = {
     # issue #13.1: round 1 (flat everywhere; the first step's synchronising micro-step) and round 2 (flat on rank 1
     # only) leave a rank only zero-advantage rows to compute, in 2 chunks
     "compact_rank_without_signal": {**BASE, "compact": True, "chunks": 2, "ga": 2},
+    # model.lora: TRL's peft model under DDP, with the async generator (adapter syncs), IS correction, the KL term
+    # against the base with the adapter disabled (beta > 0) and chunks (compared with the unchunked LoRA step)
+    "lora_async_kl_chunks": {**BASE, "lora": True, "async": True, "is_mode": "token_truncate", "beta": 0.04,
+                             "chunks": 2, "ga": 2},
 }
 
 
@@ -252,7 +258,7 @@ def run_one(row: Row, world: int, steps: int, shared: dict, timeout_s: int) -> d
     import torch
 
     from grpo.config import config_from_dict
-    from grpo.training.train import grpo_args
+    from grpo.training.train import grpo_args, peft_config
     from grpo.training.trainer import GRPOTrainer
 
     class ProbeTrainer(GRPOTrainer):
@@ -267,7 +273,8 @@ def run_one(row: Row, world: int, steps: int, shared: dict, timeout_s: int) -> d
     out_dir = shared["tmp"] / f"run-{shared['count']}"
     shared["count"] += 1
     trainer = ProbeTrainer(model=model, processing_class=shared["tokenizer"], reward_funcs=[invariant_probe],
-                           args=grpo_args(cfg, out_dir), train_dataset=shared["train"], experiment=cfg)
+                           args=grpo_args(cfg, out_dir), train_dataset=shared["train"], experiment=cfg,
+                           peft_config=peft_config(cfg))
     probe = _Probe(trainer)
     trainer.add_callback(probe.callback())
     start = time.perf_counter()

@@ -22,7 +22,7 @@ def rejects(overrides: list[str], *fragments: str) -> str:
 
 
 def test_defaults_and_presets_load():
-    assert presets() == ["qwen2.5-0.5b-gsm8k", "tiny"] and presets("spaces") == ["tiny-lr-beta"]
+    assert presets() == ["qwen2.5-0.5b-gsm8k", "tiny"] and presets("spaces") == ["tiny-lr-beta", "tiny-tpe-pruned"]
     cfg = load_config("tiny")
     assert cfg.model.is_tiny and cfg.data.synthetic
     assert cfg.grpo.reward_funcs == ["exact_match"]

@@ -68,6 +68,26 @@ REFUSED = {
         ["grpo.report_to: unknown logger 'tensorbored'", "tensorboard", "wandb"],
         ["grpo.report_to=[]"],
     ),
+    "lora_after_a_full_warm_start_of_a_model_folder": (
+        ["model.lora.enabled=true", "model.name_or_path=org/model", "model.warm_start.steps=10"],
+        ["model: lora.enabled with warm_start.steps (10) > 0", "saved nowhere", "set model.warm_start.steps: 0"],
+        ["model.lora.enabled=true", "model.name_or_path=org/model", "model.warm_start.steps=0"],
+    ),
+    "lora_with_sync_ref_model": (
+        ["model.lora.enabled=true", "grpo.beta=0.04", "grpo.extra.sync_ref_model=true"],
+        ["grpo.extra.sync_ref_model with model.lora.enabled", "adapter disabled", "drop sync_ref_model"],
+        ["model.lora.enabled=true", "grpo.beta=0.04"],
+    ),
+    "lora_on_the_output_layer": (
+        ["model.lora.enabled=true", "model.lora.target_modules=[q_proj,lm_head]"],
+        ["model.lora.target_modules: 'lm_head' can not carry an adapter", "lm_head.weight directly", "valid: 'all-linear'"],
+        ["model.lora.enabled=true", "model.lora.target_modules=[q_proj,v_proj]"],
+    ),
+    "lora_on_the_tied_embeddings": (
+        ["model.lora.target_modules=[embed_tokens]"],
+        ["model.lora.target_modules: 'embed_tokens' can not carry an adapter"],
+        ["model.lora.target_modules=all-linear"],
+    ),
 }
 
 

@@ -212,6 +212,39 @@ def test_cli(tmp_path, mlflow_server, experiment):
     assert not (tmp_path / "none.db").exists()
 
 
+def test_sweep_dashboard_shows_optuna_importances_and_pruned_trials(tmp_path, mlflow_server):
+    """A sweep's importances (logged by flows/sweep.py as sweep/importances.json on the parent run) become a bar
+    chart and a table; a trial the study pruned (tag grpo.sweep.pruned) shows the status PRUNED; too few trials give
+    the sweep's note instead of a chart."""
+    exp = make_experiment(mlflow_server.uri)
+    client = MlflowClient(mlflow_server.uri)
+    client.set_tag(exp["children"]["lr-3e-5"], "grpo.sweep.pruned", "true")
+    importances = {"study": "lr-study", "completed_trials": 5, "note": None,
+                   "importances": {"grpo.learning_rate": 0.8, "grpo.num_generations": 0.2}}
+    client.log_dict(exp["sweep"], importances, "sweep/importances.json")
+
+    page = build_dashboard(mlflow_server.uri, exp["experiment"], exp["sweep"], out=tmp_path / "s.html").read_text()
+    assert plot_div_ids(page) == [*SWEEP_PLOTS[:2], "panel-importances", *SWEEP_PLOTS[2:]]
+    [bars] = plot_traces(page)["panel-importances"]
+    assert bars["type"] == "bar" and bars["y"] == ["grpo.num_generations", "grpo.learning_rate"]  # largest on top
+    assert bars["x"] == [0.2, 0.8] and "lr-study" in page and "5 completed" in page
+    table = page[page.index('<table id="importances-table"'):]
+    assert re.findall(r"<td[^>]*>([^<]*)</td>", table[:table.index("</table>")]) == [
+        "grpo.learning_rate", "0.8000", "grpo.num_generations", "0.2000"]
+    metrics = page[page.index('<table id="final-metrics"'):]
+    assert re.search(r'status-pruned">PRUNED<', metrics)
+
+    note = {"study": "s", "completed_trials": 1, "importances": None,
+            "note": "importances need at least 2 completed trials and 2 params"}
+    page = build_dashboard(mlflow_server.uri, exp["experiment"], exp["sweep"], out=tmp_path / "n.html",
+                           importances=note).read_text()
+    assert "panel-importances" not in plot_div_ids(page)
+    assert 'id="importances-note">importances need at least 2 completed trials and 2 params.<' in page
+    # an experiment page (no sweep) has no importance section
+    page = build_dashboard(mlflow_server.uri, exp["experiment"], out=tmp_path / "e.html").read_text()
+    assert "panel-importances" not in page
+
+
 def test_legend_labels_name_runs_by_the_params_that_differ():
     from dashboards.comparison import RunData, legend_labels
 

@@ -53,7 +53,7 @@ def test_prefect_yaml_deployments_point_at_real_flows_pools_and_presets():
 
     from grpo.config import load_config, presets
     from grpo.app.serve import SWEEP_PARAMETERS
-    from grpo.pipeline.sweep_space import expand_space
+    from grpo.pipeline.sweep_space import validate_space
 
     data = prefect_yaml()
     model = PrefectYamlModel.model_validate(data)  # the model `prefect deploy` loads the file with
@@ -76,8 +76,7 @@ def test_prefect_yaml_deployments_point_at_real_flows_pools_and_presets():
     assert {"preset", "config", "space", "max_concurrency", "metric", "direction"} <= set(
         flow_params(nightly["entrypoint"]))
     assert {k: v for k, v in nightly["parameters"].items() if k != "preset"} == SWEEP_PARAMETERS  # = grpo serve's
-    trials = expand_space(load_config("tiny"), nightly["parameters"]["space"])
-    assert len(trials) == 3
+    assert validate_space(load_config("tiny"), nightly["parameters"]["space"]).n_trials == 3
     [schedule] = model.deployments[2].schedules
     assert schedule.cron == "0 2 * * *" and schedule.timezone == "UTC"
 
@@ -336,7 +335,7 @@ def test_grpo_serve_refuses_without_a_server(prefect_server, tmp_path):
 
 @pytest.mark.integration
 def test_grpo_serve_serves_pipeline_and_scheduled_sweep(prefect_server, tmp_path):
-    from grpo.config import load_config
+    from flows.run_form import collapsed_sections
     from grpo.app.serve import SWEEP_PARAMETERS
 
     s = prefect_server
@@ -358,11 +357,11 @@ def test_grpo_serve_serves_pipeline_and_scheduled_sweep(prefect_server, tmp_path
         assert "serving grpo-sweep/served, schedule 30 4 * * *" in log.read_text()
         assert "at most 1 flow run at once; later ones wait their turn (--limit)" in log.read_text()  # default
         assert pipeline["work_pool_name"] is None and pipeline["entrypoint"] == "flows.pipeline.grpo_pipeline"
-        assert pipeline["parameters"]["config"] == load_config("tiny").model_dump(mode="json", by_alias=True)
+        assert pipeline["parameters"] == {"preset": "tiny", "resume": False, **collapsed_sections()}
         assert pipeline["schedules"] == []
         [schedule] = sweep["schedules"]
         assert schedule["schedule"]["cron"] == "30 4 * * *" and schedule["active"]
-        assert {k: v for k, v in sweep["parameters"].items() if k != "config"} == SWEEP_PARAMETERS
+        assert sweep["parameters"] == {"preset": "tiny", **SWEEP_PARAMETERS}
         assert not sweep["paused"]
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C
@@ -500,9 +499,13 @@ def _open_select(page, prop) -> list[str]:
 
 @pytest.mark.integration
 def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_server, deployed, tmp_path):
-    """In Chromium: the pipeline deployment's run form shows titles, descriptions and dropdowns for closed choices;
-    a run submitted from it (a dropdown value and a text field changed) is picked up by a process worker and
-    completes with exactly those parameters; the nightly sweep's cron schedule is paused and resumed from the UI."""
+    """In Chromium, the pipeline deployment's run form reads as designed for a person:
+    - the preset dropdown comes first, then the common fields with plain titles;
+    - each config section is one collapsed line that opens into its fields;
+    - there are no None toggles.
+    A run submitted from it (a dropdown, a number, the run name and one field of an opened section changed) is
+    picked up by a process worker. It trains the deployment's config with exactly those fields changed. The nightly
+    sweep's cron schedule is paused and resumed from the UI."""
     if not CHROMIUM.is_file():
         pytest.fail(f"{CHROMIUM} is missing: run .ci/run (it installs it) or `apt-get install -y chromium`",
                     pytrace=False)
@@ -510,15 +513,17 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.pipeline import grpo_pipeline
-    from grpo.config import load_config
+    from grpo.app.serve import pipeline_parameters
+    from grpo.config import flatten, load_config, to_yaml
 
     s = prefect_server
-    cfg = load_config(MICRO, [f"output_dir={tmp_path / 'runs'}", "tracking.backend=none", "evaluation.enabled=false",
-                              "grpo.max_steps=2", "grpo.logging_steps=1", "grpo.save_steps=2",
-                              "model.warm_start.steps=10"])
-    with temporary_settings({PREFECT_API_URL: s.url}):  # a quick deployment whose form defaults to the micro run
+    micro = tmp_path / "micro.yaml"  # the form starts from a config file, as `grpo serve --config FILE` does
+    micro.write_text(to_yaml(load_config(MICRO, [
+        f"output_dir={tmp_path / 'runs'}", "tracking.backend=none", "evaluation.enabled=false", "grpo.max_steps=2",
+        "grpo.logging_steps=1", "grpo.save_steps=2", "model.warm_start.steps=10"])))
+    with temporary_settings({PREFECT_API_URL: s.url}):
         deployment_id = grpo_pipeline.to_deployment(
-            name="ui-form", work_pool_name="cpu-pool", parameters={"config": cfg.model_dump(mode="json", by_alias=True)},
+            name="ui-form", work_pool_name="cpu-pool", parameters=pipeline_parameters(micro),
             job_variables={"working_dir": str(REPO)}).apply()
     ui = s.url.removesuffix("/api")
     SCREENSHOTS.mkdir(exist_ok=True)
@@ -529,31 +534,40 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.on("pageerror", lambda err: errors.append(str(err)))
             page.goto(f"{ui}/deployments/deployment/{deployment_id}/run", wait_until="networkidle")
-            for label in ("preset", "config", "Learning Rate", "Loss Type", "Reward Funcs",
-                          "Vllm Importance Sampling Mode", "Streaming Partial Batch"):
-                assert _form_property(page, label).count() == 1, label
-            assert "Completions per prompt (the group size)." in _form_property(page, "Num Generations").inner_text()
-            assert "(TRL)" in _form_property(page, "Epsilon High").inner_text()  # TRL's own help text
+            labels = [t.removesuffix(" (Optional)") for t in
+                      page.locator(".schema-form-property__label").all_inner_texts()]
+            assert labels[:10] == ["Preset", "Learning rate", "Training steps",
+                                   "Batch size (completions per device per step)",
+                                   "Completions per prompt (group size)", "Reward functions", "Loss type", "Seed",
+                                   "MLflow run name", "Resume"]
+            assert labels[10:] == ["Data", "Model", "GRPO training", "Sampling and balancing", "Async generation",
+                                   "Evaluation", "MLflow tracking", "Experiment", "More settings (key=value)",
+                                   "Whole config (advanced)", "Extra MLflow run tags"]  # sections collapsed
+            body = page.locator("body").inner_text()
+            assert 'Property is type "None"' not in body and page.get_by_role("button", name="None").count() == 0
+            form_height = page.locator("form").first.bounding_box()["height"]
+            assert form_height < 4000, form_height  # was about 14,500 px
+            page.screenshot(path=str(SCREENSHOTS / "prefect-run-form.png"))
 
-            loss = _form_property(page, "Loss Type")
+            assert _open_select(page, _form_property(page, "Preset")) == ["qwen2.5-0.5b-gsm8k", "tiny"]
+            page.keyboard.press("Escape")
+            loss = _form_property(page, "Loss type")
             assert _open_select(page, loss) == ["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
             page.get_by_role("option", name="bnpo", exact=True).click()
             expect(loss.locator(".p-select-button__value")).to_have_text("bnpo")
-            is_mode = _form_property(page, "Vllm Importance Sampling Mode")
-            assert _open_select(page, is_mode) == ["token_truncate", "token_mask", "sequence_truncate",
-                                                   "sequence_mask"]
-            page.keyboard.press("Escape")
+            _form_property(page, "Training steps").locator("input").fill("3")
+            _form_property(page, "MLflow run name").locator("textarea").fill("from-the-ui")
+            page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-filled.png"))
 
-            preset = _form_property(page, "preset")
-            preset.get_by_role("button", name="str", exact=True).click()
-            assert _open_select(page, preset) == ["qwen2.5-0.5b-gsm8k", "tiny"]
-            page.keyboard.press("Escape")
-            preset.get_by_role("button", name="None", exact=True).click()  # keep the form's config
-
-            run_name = _form_property(page, "run_name")
-            run_name.get_by_role("button", name="str", exact=True).click()
-            run_name.locator("textarea").fill("from-the-ui")
-            page.screenshot(path=str(SCREENSHOTS / "prefect-run-form.png"))
+            model = _form_property(page, "Model")  # open the collapsed section and change one field in it
+            model.locator(".schema-form-property__header button").first.click()
+            page.locator(".p-overflow-menu-item:visible", has_text="Use form input").click()
+            steps = _form_property(page, "Steps")
+            assert "model.warm_start.steps" in steps.inner_text()
+            steps.locator("input").fill("6")
+            assert _form_property(page, "Learning Rate (Warm Start)").count() == 1
+            model.scroll_into_view_if_needed()
+            page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-section.png"))
             page.get_by_role("button", name="Submit", exact=True).click()
             # The run exists once the server has it (the server is shared by the whole suite and may take a while
             # under load); then the UI leaves the form for the deployment's page.
@@ -601,9 +615,11 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
 
     assert states == [True, False, True]
     params = flow_run["parameters"]
-    assert params["run_name"] == "from-the-ui" and params.get("preset") is None
-    assert params["config"]["grpo"]["loss_type"] == "bnpo"
+    assert params["run_name"] == "from-the-ui" and params["loss_type"] == "bnpo" and params["max_steps"] == 3
+    assert params["model_settings"]["warm_start"]["steps"] == 6 and params.get("preset") is None
     summary = json.loads((tmp_path / "runs" / "from-the-ui" / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["prefect_flow_run_id"] == flow_run_id
-    assert yaml.safe_load((tmp_path / "runs" / "from-the-ui" / "config.yaml").read_text())["grpo"]["loss_type"] == "bnpo"
+    assert summary["steps"] == 3 and summary["prefect_flow_run_id"] == flow_run_id
+    trained = load_config(tmp_path / "runs" / "from-the-ui" / "config.yaml")
+    changed = {k: v for k, v in flatten(trained).items() if flatten(load_config(micro))[k] != v}
+    assert changed == {"grpo.loss_type": "bnpo", "grpo.max_steps": 3, "model.warm_start.steps": 6}
     assert not errors, errors

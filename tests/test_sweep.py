@@ -1,5 +1,6 @@
-"""Sweeps: search-space expansion (no servers), and trials as deployment runs (the session's Prefect server + a real
-`mlflow server`). The 4-trial sweep run by a process worker is in test_infra.py."""
+"""Sweeps: search spaces as Optuna distributions, samplers and pruners (no servers); a TPE study with a median pruner
+on the micro model, continued by a second invocation; trials as deployment runs; the CLI (the session's Prefect server
++ a real `mlflow server`). The 4-trial grid sweep run by a process worker is in test_infra.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from mlflow import MlflowClient
 
 from grpo.config import load_config
-from grpo.pipeline.sweep_space import SpaceError, check_path, expand_space, load_space, trial_overrides
+from grpo.pipeline.sweep_space import SpaceError, check_path, load_space, validate_space
 from tests.conftest import MICRO, micro_overrides
 
 @pytest.fixture(scope="module")
@@ -20,18 +21,34 @@ def base():
     return load_config(MICRO)
 
 
-# ---------------------------------------------------------------- space expansion
+# ---------------------------------------------------------------- spaces
 
 
 def test_grid_is_the_product_last_field_fastest(base):
-    trials = expand_space(base, {"grid": {"grpo.learning_rate": [1e-4, 3e-4], "grpo.beta": [0.0, 0.04]}})
-    assert [o for o, _ in trials] == [
+    space = validate_space(base, {"grid": {"grpo.learning_rate": [1e-4, 3e-4], "grpo.beta": [0.0, 0.04]}})
+    assert space.sampler_kind == "grid" and space.n_trials == 4
+    assert space.grid_points() == [
         {"grpo.learning_rate": 1e-4, "grpo.beta": 0.0}, {"grpo.learning_rate": 1e-4, "grpo.beta": 0.04},
         {"grpo.learning_rate": 3e-4, "grpo.beta": 0.0}, {"grpo.learning_rate": 3e-4, "grpo.beta": 0.04}]
-    for overrides, cfg in trials:
+    for point in space.grid_points():
+        overrides, cfg = space.config(point, "trial")
         assert (cfg.grpo.learning_rate, cfg.grpo.beta) == (overrides["grpo.learning_rate"], overrides["grpo.beta"])
         assert cfg.model.tiny.hidden_size == base.model.tiny.hidden_size  # everything else from the base
     assert base.grpo.beta == 0.0 and base.grpo.learning_rate == 1e-4  # the base is not modified
+    # the current form is the same space
+    same = validate_space(base, {"sampler": "grid", "params": {"grpo.learning_rate": [1e-4, 3e-4],
+                                                               "grpo.beta": [0.0, 0.04]}})
+    assert same.grid_points() == space.grid_points()
+
+
+def _draws(space, n: int) -> list[dict]:
+    """What the space's Optuna sampler suggests for n trials of a new in-memory study (nothing told)."""
+    import optuna
+
+    study = optuna.create_study(sampler=space.sampler(), direction="maximize")
+    if space.sampler_kind == "grid":
+        space.enqueue_grid(study)
+    return [space.suggest(study.ask()) for _ in range(n)]
 
 
 RANDOM = {"random": {"n_trials": 6, "seed": 0, "params": {
@@ -39,26 +56,50 @@ RANDOM = {"random": {"n_trials": 6, "seed": 0, "params": {
     "grpo.num_generations": {"choice": [4, 8]}, "model.warm_start.steps": {"int": [100, 300]}}}}
 
 
-def test_random_is_deterministic_for_a_seed_and_within_bounds(base):
-    first = [o for o, _ in expand_space(base, RANDOM)]
-    assert first == [o for o, _ in expand_space(base, json.loads(json.dumps(RANDOM)))]
+def test_random_and_tpe_draw_from_optuna_distributions_deterministic_for_a_seed(base):
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    space = validate_space(base, RANDOM)
+    assert (space.sampler_kind, space.n_trials, type(space.sampler()).__name__) == ("random", 6, "RandomSampler")
+    dists = space.distributions()
+    assert dists["grpo.learning_rate"] == FloatDistribution(1e-5, 1e-3, log=True)
+    assert dists["grpo.temperature"] == FloatDistribution(0.7, 1.2)
+    assert dists["grpo.num_generations"] == CategoricalDistribution([4, 8])
+    assert dists["model.warm_start.steps"] == IntDistribution(100, 300)
+    first = _draws(space, 6)
+    assert first == _draws(validate_space(base, json.loads(json.dumps(RANDOM))), 6)
     other = json.loads(json.dumps(RANDOM))
     other["random"]["seed"] = 1
-    assert first != [o for o, _ in expand_space(base, other)]
-    assert len(first) == 6
+    assert first != _draws(validate_space(base, other), 6)
     for o in first:
         assert 1e-5 <= o["grpo.learning_rate"] <= 1e-3 and 0.7 <= o["grpo.temperature"] <= 1.2
         assert o["grpo.num_generations"] in (4, 8) and 100 <= o["model.warm_start.steps"] <= 300
         assert isinstance(o["model.warm_start.steps"], int)
     assert len({o["grpo.learning_rate"] for o in first}) == 6
 
+    tpe = validate_space(base, {"sampler": "tpe", "n_trials": 3, "seed": 0, "startup_trials": 1,
+                                "params": RANDOM["random"]["params"],
+                                "pruner": {"type": "hyperband", "min_resource": 2, "reduction_factor": 3}})
+    sampler, pruner = tpe.sampler(), tpe.pruner()
+    assert type(sampler).__name__ == "TPESampler" and sampler._n_startup_trials == 1
+    assert type(pruner).__name__ == "HyperbandPruner"
+    assert tpe.pruner_spec == {"type": "hyperband", "metric": "reward", "direction": "maximize", "min_resource": 2,
+                               "reduction_factor": 3}
+    median = validate_space(base, {"sampler": "random", "n_trials": 1, "params": {"grpo.beta": [0.0, 0.1]},
+                                   "pruner": {"type": "median", "n_startup_trials": 2, "n_warmup_steps": 1}})
+    assert type(median.pruner()).__name__ == "MedianPruner"
+    assert median.distributions()["grpo.beta"] == CategoricalDistribution([0.0, 0.1])  # a plain list: a choice
+    assert type(validate_space(base, {"sampler": "random", "n_trials": 1, "params": {"grpo.beta": [0.0]},
+                                      "pruner": "none"}).pruner()).__name__ == "NopPruner"
 
-def test_grid_and_random_cross(base):
-    space = {"grid": {"grpo.beta": [0.0, 0.04]},
-             "random": {"n_trials": 3, "seed": 7, "params": {"grpo.temperature": {"uniform": [0.7, 1.2]}}}}
-    trials = trial_overrides(space)
-    assert len(trials) == 6 and [t["grpo.beta"] for t in trials] == [0.0] * 3 + [0.04] * 3
-    assert [t["grpo.temperature"] for t in trials[:3]] == [t["grpo.temperature"] for t in trials[3:]]
+
+def test_choices_of_lists_reach_the_config(base):
+    space = validate_space(base, {"sampler": "random", "n_trials": 4, "seed": 0, "params": {
+        "grpo.reward_funcs": {"choice": [["exact_match"], ["exact_match", "digits_format"]]}}})
+    draws = _draws(space, 4)
+    assert {tuple(d["grpo.reward_funcs"]) for d in draws} <= {("exact_match",), ("exact_match", "digits_format")}
+    _, cfg = space.config(draws[0], "trial 0")
+    assert cfg.grpo.reward_funcs == draws[0]["grpo.reward_funcs"]
 
 
 @pytest.mark.parametrize("space, fragments", [
@@ -70,28 +111,55 @@ def test_grid_and_random_cross(base):
     ({"grid": {"grpo.learning_rate": [1e-4], "grpo.num_generations": [4, 5]}},
      ["trial 1 (grpo.learning_rate=0.0001, grpo.num_generations=5)", "grpo.num_generations (5)"]),
     ({"random": {"n_trials": 3, "seed": 0, "params": {"grpo.reward_funcs": {"choice": [["exact_match"], ["nope"]]}}}},
-     ["grpo.reward_funcs: unknown reward 'nope'", "trial "]),
+     ["grpo.reward_funcs: unknown reward 'nope'", "space.params.grpo.reward_funcs (grpo.reward_funcs=['nope'])"]),
+    ({"sampler": "tpe", "n_trials": 2, "params": {"grpo.beta": {"uniform": [-1.0, 0.1]}}},
+     ["space.params.grpo.beta (grpo.beta=-1.0)", "grpo.beta: Input should be greater"]),
     ({"grid": {"output_dir": ["elsewhere"]}}, ["output_dir: output_dir is set by the sweep"]),
     ({"random": {"n_trials": 2, "params": {"grpo.beta": {"normal": [0, 1]}}}},
      ["space.random.params.grpo.beta: unknown distribution 'normal'"]),
     ({"random": {"n_trials": 2, "params": {"grpo.learning_rate": {"loguniform": [0, 1e-3]}}}},
      ["space.random.params.grpo.learning_rate: loguniform needs 0 < low < high"]),
+    ({"random": {"n_trials": 0, "params": {"grpo.beta": {"uniform": [0, 1]}}}},
+     ["space.random.n_trials: expected an integer >= 1"]),
     ({"grid": {"grpo.beta": []}}, ["space.grid.grpo.beta: expected a non-empty list"]),
     ({"grids": {}}, ["space.grids: unknown key (did you mean 'grid'?)"]),
-    ({"grid": {"grpo.beta": [0.0]}, "random": {"n_trials": 1, "params": {"grpo.beta": {"uniform": [0, 1]}}}},
-     ["grpo.beta is in both grid and random"]),
+    ({"grid": {"grpo.beta": [0.0]}, "random": {"n_trials": 1, "params": {"grpo.temperature": {"uniform": [0.5, 1]}}}},
+     ["space: grid and random together", "use sampler: grid"]),
+    ({"sampler": "tpee", "n_trials": 2, "params": {"grpo.beta": [0.0]}},
+     ["space.sampler: 'tpee' is not a sampler (did you mean 'tpe'?); valid: grid, random, tpe"]),
+    ({"sampler": "tpe", "params": {"grpo.beta": [0.0]}}, ["space.n_trials: expected an integer >= 1 (got None)"]),
+    ({"sampler": "grid", "n_trials": 3, "params": {"grpo.beta": [0.0]}},
+     ["space.n_trials: a grid runs every combination once"]),
+    ({"sampler": "grid", "params": {"grpo.beta": {"uniform": [0, 1]}}},
+     ["space.params.grpo.beta: a grid needs a non-empty list of values"]),
+    ({"sampler": "random", "n_trials": 2, "startup_trials": 1, "params": {"grpo.beta": [0.0]}},
+     ["space.startup_trials: only for sampler: tpe"]),
+    ({"sampler": "tpe", "n_trials": 2, "params": {"grpo.beta": [0.0]}, "pruner": {"type": "medain"}},
+     ["space.pruner.type: 'medain' is not a pruner (did you mean 'median'?); valid: none, median, hyperband"]),
+    ({"sampler": "tpe", "n_trials": 2, "params": {"grpo.beta": [0.0]}, "pruner": {"type": "median", "min_resource": 1}},
+     ["space.pruner.min_resource: unknown option of the median pruner", "valid: type, metric, direction, "
+      "n_startup_trials"]),
+    ({"sampler": "tpe", "n_trials": 2, "params": {"grpo.beta": [0.0]},
+      "pruner": {"type": "hyperband", "reduction_factor": 1}},
+     ["space.pruner.reduction_factor: expected an integer >= 2"]),
+    ({"sampler": "tpe", "n_trials": 2, "params": {"grpo.beta": [0.0]}, "pruner": {"type": "median",
+                                                                                "direction": "up"}},
+     ["space.pruner.direction: 'up'; valid: maximize, minimize"]),
 ])
-def test_invalid_space_names_the_trial_and_field(base, space, fragments):
+def test_invalid_space_names_the_field(base, space, fragments):
     with pytest.raises(SpaceError) as err:
-        expand_space(base, space)
+        validate_space(base, space)
     assert isinstance(err.value, ValueError)
+    assert "\n" not in str(err.value)
     for fragment in fragments:
         assert fragment in str(err.value)
 
 
 def test_paths_cover_aliases_and_dict_fields(base):
     assert check_path("async.max_staleness") == ["async", "max_staleness"]
-    (overrides, cfg), = expand_space(base, {"grid": {"grpo.extra.adam_beta1": [0.8], "async.max_staleness": [3]}})
+    space = validate_space(base, {"grid": {"grpo.extra.adam_beta1": [0.8], "async.max_staleness": [3]}})
+    (point,) = space.grid_points()
+    overrides, cfg = space.config(point, "trial 0")
     assert cfg.grpo.extra == {"adam_beta1": 0.8} and cfg.async_.max_staleness == 3
     assert overrides == {"grpo.extra.adam_beta1": 0.8, "async.max_staleness": 3}
 
@@ -99,14 +167,65 @@ def test_paths_cover_aliases_and_dict_fields(base):
 def test_load_space_yaml_and_json(tmp_path, base):
     (tmp_path / "s.yaml").write_text("grid:\n  grpo.learning_rate: [1e-4, 3.0e-4]\n")
     (tmp_path / "s.json").write_text(json.dumps(RANDOM))
-    trials = expand_space(base, load_space(tmp_path / "s.yaml"))
-    assert [o["grpo.learning_rate"] for o, _ in trials] == [1e-4, 3e-4]  # YAML's "1e-4" string is read as a number
+    space = validate_space(base, load_space(tmp_path / "s.yaml"))
+    assert [p["grpo.learning_rate"] for p in space.grid_points()] == [1e-4, 3e-4]  # YAML's "1e-4" is a number
     assert load_space(tmp_path / "s.json") == RANDOM
     (tmp_path / "bad.yaml").write_text("random:\n  n_trials: 0\n  params: {grpo.beta: {uniform: [0, 1]}}\n")
     with pytest.raises(SpaceError, match=r"bad.yaml: space.random.n_trials: expected an integer >= 1"):
         load_space(tmp_path / "bad.yaml")
+    (tmp_path / "bad2.yaml").write_text("sampler: tpe\nn_trials: 2\nparams: {grpo.beta: {uniform: [0, 1]}}\n"
+                                        "pruner: {type: hyperband, max_resource: lots}\n")
+    with pytest.raises(SpaceError, match=r"bad2.yaml: space.pruner.max_resource: expected an integer >= 1 or auto"):
+        load_space(tmp_path / "bad2.yaml")
     with pytest.raises(SpaceError, match="space file not found"):
         load_space(tmp_path / "missing.yaml")
+
+
+def test_study_names_storage_and_continuing_a_study(tmp_path, base):
+    """The study a sweep continues: by name in the storage; a deployment's runs share <config.name>-<deployment>; a
+    stored study's direction and metric can not change under it."""
+    from flows.sweep import StudyError, default_storage, default_study_name, open_study
+
+    cfg = base.model_copy(update={"output_dir": str(tmp_path / "runs")})
+    assert default_storage(cfg) == f"sqlite:///{tmp_path / 'runs' / 'optuna.db'}"
+    assert default_study_name(cfg, "micro-sweep-20260101-020000", "nightly") == "micro-nightly"
+    assert default_study_name(cfg, "lr", None) == "lr"
+    space = validate_space(base, {"sampler": "tpe", "n_trials": 2, "params": {"grpo.beta": {"uniform": [0, 0.1]}}})
+    storage = default_storage(cfg)
+    study = open_study("s", storage, space, "reward_last", "maximize")
+    study.tell(study.ask(), 0.5)
+    again = open_study("s", storage, space, "reward_last", "maximize")
+    assert len(again.trials) == 1 and again.user_attrs["metric"] == "reward_last"
+    with pytest.raises(StudyError, match=r"study 's' in sqlite:///.*optuna.db is to maximize its metric, not to "
+                                         r"minimize; choose another study name"):
+        open_study("s", storage, space, "reward_last", "minimize")
+    with pytest.raises(StudyError, match=r"ranks trials by 'reward_last', not 'wall_seconds'"):
+        open_study("s", storage, space, "wall_seconds", "maximize")
+
+
+def test_param_importances_over_the_study_or_why_not():
+    import optuna
+
+    from flows.sweep import param_importances
+
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    assert param_importances(study)["note"].startswith("importances need at least 2 completed trials and 2 params; "
+                                                       "the study has 0 completed trials over 0 params")
+    for _ in range(12):  # the value depends on lr only
+        t = study.ask()
+        lr = t.suggest_float("grpo.learning_rate", 1e-5, 1e-3, log=True)
+        t.suggest_float("grpo.beta", 0, 0.1)
+        study.tell(t, -abs(lr - 3e-4) * 1e3)
+    out = param_importances(study)
+    assert out["completed_trials"] == 12 and out["note"] is None
+    assert set(out["importances"]) == {"grpo.learning_rate", "grpo.beta"}
+    assert out["importances"]["grpo.learning_rate"] > out["importances"]["grpo.beta"]
+    one = optuna.create_study()
+    for x in (1.0, 2.0):
+        t = one.ask()
+        t.suggest_float("x", 0, 3)
+        one.tell(t, x)
+    assert "2 completed trials over 1 param" in param_importances(one)["note"]
 
 
 @pytest.mark.parametrize("space_text, fragment", [
@@ -171,11 +290,13 @@ def test_sweep_via_deployment_creates_linked_flow_runs(tmp_path, prefect_in_proc
     assert {r["state_type"] for r in runs} == {"CANCELLED"}  # given up on: no worker picks them up later
 
 
-def test_the_shipped_example_space_expands():
-    space = load_space("tiny-lr-beta")
-    trials = expand_space(load_config("tiny"), space)
-    assert len(trials) == 4 and {o["grpo.learning_rate"] for o, _ in trials} == {1e-4, 3e-4}
-    assert all(0.0 <= o["grpo.beta"] <= 0.04 for o, _ in trials)
+def test_the_shipped_example_spaces_validate():
+    grid = validate_space(load_config("tiny"), load_space("tiny-lr-beta"))
+    assert grid.n_trials == 4 and {p["grpo.learning_rate"] for p in grid.grid_points()} == {1e-4, 3e-4}
+    assert {p["grpo.beta"] for p in grid.grid_points()} == {0.0, 0.04}
+    tpe = validate_space(load_config("tiny"), load_space("tiny-tpe-pruned"))
+    assert (tpe.sampler_kind, tpe.n_trials, tpe.pruner_spec["type"]) == ("tpe", 8, "median")
+    assert all(1e-5 <= d["grpo.learning_rate"] <= 1e-3 for d in _draws(tpe, 3))
 
 
 @pytest.mark.integration
@@ -210,3 +331,76 @@ def test_cli_sweep_prints_the_parent_run_and_the_dashboard(tmp_path, prefect_ser
     if "grpo.sweep.registered_model" in tags:
         version = client.get_model_version(tags["grpo.sweep.registered_model"], tags["grpo.sweep.registered_version"])
         assert version.run_id == tags["grpo.sweep.best_run_id"]
+
+
+# A space where one temperature is clearly bad: sampled at 25.0, the micro model's completions are noise from the first
+# step (digits_format reward about 0), while at 1.0 most are bare integers. Trials report the training reward at every
+# step; the median pruner prunes a trial once its best reward is below the median of the finished trials' at that
+# step. The seed is one whose TPE draws put a bad trial after a good one (checked with these rewards simulated).
+TPE_PRUNED = {"sampler": "tpe", "n_trials": 6, "seed": 6, "startup_trials": 2,
+              "params": {"grpo.temperature": {"choice": [1.0, 25.0]},
+                         "grpo.learning_rate": {"loguniform": [5e-5, 5e-4]}},
+              "pruner": {"type": "median", "metric": "reward", "n_startup_trials": 1, "n_warmup_steps": 0}}
+
+
+@pytest.mark.integration
+def test_tpe_sweep_prunes_and_a_scheduled_run_continues_the_study(tmp_path, prefect_in_process, mlflow_server):
+    """#sweeps-on-optuna: a 6-trial TPE study with a median pruner on the micro model prunes the bad trials (their
+    training stops early, the study has them PRUNED, their MLflow runs are tagged), registers the study's best trial,
+    and a second invocation with the nightly deployment's parameters (same study, no sweep name) adds new trials to the
+    same stored study."""
+    import optuna
+
+    from flows.sweep import default_study_name, grpo_sweep
+
+    cfg = load_config(MICRO, micro_overrides(tmp_path, **{
+        "grpo.max_steps": 4, "grpo.logging_steps": 1, "grpo.save_steps": 100, "evaluation.enabled": "false",
+        "grpo.reward_funcs": "[digits_format]",
+        "tracking.backend": "mlflow", "tracking.tracking_uri": mlflow_server.uri,
+        "tracking.experiment_name": "sweep-optuna", "tracking.log_system_metrics": "false"}))
+    nightly = {"space": TPE_PRUNED, "max_concurrency": 1, "metric": "reward_last", "direction": "maximize",
+               "study_name": default_study_name(cfg, "unused", "nightly")}
+    assert nightly["study_name"] == f"{cfg.name}-nightly"  # what a run of grpo-sweep/nightly defaults to
+
+    first = grpo_sweep(config=cfg, sweep_name="night1", **nightly)
+    print(json.dumps([{k: r[k] for k in ("trial", "status", "grpo.temperature", "metric_value", "pruned_at_step")}
+                      for r in first["trials"]], indent=1))
+    assert [r["trial"] for r in first["trials"]] == list(range(6))
+    pruned = [r for r in first["trials"] if r["status"] == "pruned"]
+    assert pruned and first["pruned"] == len(pruned) and first["failed"] == 0
+    assert first["completed"] + first["pruned"] == 6
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    study = optuna.load_study(study_name=nightly["study_name"], storage=storage)
+    states = {t.number: t.state.name for t in study.trials}
+    assert {r["trial"] for r in pruned} == {n for n, s in states.items() if s == "PRUNED"}
+    client = MlflowClient(mlflow_server.uri)
+    assert all(r["status"] == "pruned" for r in first["trials"][1:] if r["grpo.temperature"] == 25.0)
+    for r in pruned:
+        assert r["pruned_at_step"] < 4
+        run = client.get_run(r["mlflow_run_id"])
+        assert run.data.tags["grpo.sweep.pruned"] == "true" and run.info.status == "FINISHED"
+        assert run.data.tags["grpo.sweep.pruned_at_step"] == str(r["pruned_at_step"])
+        assert json.loads((Path(r["run_dir"]) / "summary.json").read_text())["steps"] == r["pruned_at_step"]
+        assert study.trials[r["trial"]].intermediate_values  # what the pruner decided on
+    best = first["best"]
+    assert best["trial"] == study.best_trial.number and best["metric_value"] == study.best_value
+    assert first["registered_model"]["alias"] == "best"
+    version = client.get_model_version_by_alias(f"{cfg.name}-grpo", "best")
+    assert version.run_id == best["mlflow_run_id"]
+    parent = client.get_run(first["mlflow_run_id"])
+    assert parent.data.metrics["sweep/trials_pruned"] == len(pruned)
+    assert parent.data.tags["grpo.sweep.study"] == nightly["study_name"]
+    page = Path(first["dashboard"]["path"]).read_text()
+    assert 'id="panel-importances-section"' in page and "PRUNED" in page
+    assert first["study"]["importances"]["importances"] or first["study"]["importances"]["note"]
+
+    # the next night: the deployment's parameters again (no sweep name: a new, timestamped sweep and parent run)
+    second = grpo_sweep(config=cfg, **{**nightly, "space": {**TPE_PRUNED, "n_trials": 1}})
+    assert second["sweep_name"] != "night1" and second["mlflow_run_id"] != first["mlflow_run_id"]
+    assert [r["trial"] for r in second["trials"]] == [6]  # numbers continue in the same study
+    assert [r["run_name"] for r in second["trials"]] == [f"{second['sweep_name']}-t006"]
+    study = optuna.load_study(study_name=nightly["study_name"], storage=storage)
+    assert len(study.trials) == 7 and second["study"]["n_trials"] == 7 and second["study"]["first_trial"] == 6
+    assert {t.user_attrs["sweep"] for t in study.trials} == {"night1", second["sweep_name"]}
+    assert second["best"]["trial"] == study.best_trial.number  # the best over both nights
+    assert (tmp_path / "night1" / "sweep.json").is_file() and Path(second["sweep_dir"]).is_dir()

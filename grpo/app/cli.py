@@ -193,13 +193,16 @@ def run(
 @app.command()
 def sweep(
     config: ConfigOpt,
-    space: Annotated[Path, typer.Option("--space", help="Search space YAML/JSON: grid and/or random over field paths; "
-                                                        "or a space preset name (tiny-lr-beta).")],
+    space: Annotated[Path, typer.Option("--space", help="Search space YAML/JSON (sampler grid|random|tpe, params, "
+                                                        "pruner) over field paths; or a space preset name "
+                                                        "(tiny-lr-beta, tiny-tpe-pruned).")],
     max_concurrency: Annotated[int, typer.Option("--max-concurrency", help="Trials running at once.")] = 2,
     metric: Annotated[str, typer.Option("--metric", help="Summary key (or MLflow metric) picking the best trial.")] = "eval_accuracy_after",
     direction: Annotated[str, typer.Option("--direction", help="maximize or minimize the metric.")] = "maximize",
     name: Annotated[Optional[str], typer.Option("--name", help="Sweep name (default: <name>-sweep-<time>).")] = None,
     deployment: Annotated[Optional[str], typer.Option("--deployment", help="Run trials as flow runs of this grpo-pipeline deployment.")] = None,
+    study: Annotated[Optional[str], typer.Option("--study", help="Optuna study to create or continue (default: a new one named as the sweep).")] = None,
+    storage: Annotated[Optional[str], typer.Option("--storage", help="Optuna storage URL (default: sqlite:///<output_dir>/optuna.db).")] = None,
     set_: SetOpt = None,
     reward_module: RewardModuleOpt = None,
 ) -> None:
@@ -208,14 +211,14 @@ def sweep(
         cfg = _load(config, set_, reward_module)
         from grpo.errors import RunDirectoryError
         from grpo.runs import validate_run_name
-        from grpo.pipeline.sweep_space import expand_space, load_space
+        from grpo.pipeline.sweep_space import load_space, validate_space
 
         if direction not in ("maximize", "minimize"):
             _fail(f"--direction {direction!r}: use maximize or minimize")
         if max_concurrency < 1:
             _fail(f"--max-concurrency {max_concurrency}: must be >= 1")
         space_data = load_space(space)
-        trials = expand_space(cfg, space_data)  # fail fast, before Prefect or MLflow start
+        checked = validate_space(cfg, space_data)  # fail fast, before Prefect or MLflow start
         if name is not None:
             try:
                 validate_run_name(name)
@@ -223,13 +226,16 @@ def sweep(
                 _fail(f"--name {name!r}: use letters, digits, '.', '_' or '-' (max 128 characters, no leading punctuation)")
             if (Path(cfg.output_dir) / name).exists():
                 raise RunDirectoryError(f"sweep directory {Path(cfg.output_dir) / name} already exists; choose another --name")
-        typer.echo(f"sweep: {len(trials)} trials, at most {max_concurrency} at once")
+        pruner = checked.pruner_spec["type"] if checked.pruner_spec else "no"
+        typer.echo(f"sweep: {checked.n_trials} trials ({checked.sampler_kind} sampler, {pruner} pruner), "
+                   f"at most {max_concurrency} at once")
         from flows.sweep import SweepError, grpo_sweep
 
         try:
             with _stoppable(f"finished trials are in {Path(cfg.output_dir)}"):
                 result = grpo_sweep(config=cfg, space=space_data, max_concurrency=max_concurrency, metric=metric,
-                                    direction=direction, sweep_name=name, use_deployment=deployment)
+                                    direction=direction, sweep_name=name, use_deployment=deployment,
+                                    study_name=study, storage=storage)
         except SweepError as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(code=1) from None
@@ -238,7 +244,12 @@ def sweep(
     for r in result["trials"]:
         value = "-" if r["metric_value"] is None else f"{r['metric_value']:.4f}"
         detail = r["error"] if r["status"] == "failed" else ", ".join(f"{k}={v}" for k, v in r["overrides"].items())
+        if r["status"] == "pruned":
+            detail += f" (pruned at step {r['pruned_at_step']})"
         typer.echo(f"  {r['run_name']:28s} {r['status']:9s} {metric}={value}  {detail}")
+    st = result["study"]
+    typer.echo(f"study: {st['name']} ({st['storage']}), {st['n_trials']} trials in all: "
+               + ", ".join(f"{v} {k}" for k, v in st["states"].items()))
     if result["best"] is not None:
         typer.echo(f"best: {result['best']['run_name']} ({metric}={result['best']['metric_value']:.4f})")
     if result["registered_model"]:

@@ -13,6 +13,7 @@ the checks done first so a missing server, work pool or flow file is one line, a
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,23 @@ def config_parameter(config_path: Path | str | None) -> dict:
     return load_config(config_path or DEFAULT_PRESET).model_dump(mode="json", by_alias=True)
 
 
+def starting_point(config_path: Path | str | None) -> dict:
+    """Where a run form starts: the preset (``--config NAME`` or the default) or, for a config file, the file's config
+    as the form's "Whole config", one line of JSON (Prefect's json kind) rather than a 150-line editor."""
+    from grpo.config import DEFAULT_PRESET, presets
+
+    if config_path is None or (str(config_path) in presets() and not Path(config_path).is_file()):
+        return {"preset": str(config_path or DEFAULT_PRESET)}
+    return {"config": {"__prefect_kind": "json", "value": json.dumps(config_parameter(config_path))}}
+
+
+def pipeline_parameters(config_path: Path | str | None) -> dict:
+    """The pipeline deployment's parameters: the starting point, each config section collapsed."""
+    from flows.run_form import collapsed_sections
+
+    return {**starting_point(config_path), "resume": False, **collapsed_sections()}
+
+
 def sweep_available() -> bool:
     return importlib.util.find_spec(SWEEP_MODULE) is not None
 
@@ -106,7 +124,7 @@ def build_deployments(
 ) -> list:
     """The runner deployments ``grpo serve`` serves: ``grpo-pipeline/<name>`` and, when flows/sweep.py exists,
     ``grpo-sweep/<name>``; ``schedule`` (cron) goes to ``schedule_flow`` (default: the sweep if there is one)."""
-    config = config_parameter(config_path)
+    config_parameter(config_path)  # a config that does not load is refused before anything is served
     source = config_path or "the tiny preset"
     target = schedule_flow or ("sweep" if sweep_available() else "pipeline")
     if target == "sweep" and not sweep_available():
@@ -126,14 +144,14 @@ def build_deployments(
     # flows is an installed package: entrypoints by module path run the same code whatever the working directory.
     module = {"entrypoint_type": EntrypointType.MODULE_PATH}
     deployments = [grpo_pipeline.to_deployment(
-        name=name, parameters={"config": config, "resume": False}, tags=["grpo", "served"], **module,
+        name=name, parameters=pipeline_parameters(config_path), tags=["grpo", "served"], **module,
         description=f"GRPO pipeline served by `grpo serve`; the form starts from {source}.",
         **schedule_for("pipeline"))]
     if sweep_available():
         from flows.sweep import grpo_sweep
 
         deployments.append(grpo_sweep.to_deployment(
-            name=name, parameters={"config": config, **SWEEP_PARAMETERS}, tags=["grpo", "served", "sweep"], **module,
+            name=name, parameters={**starting_point(config_path), **SWEEP_PARAMETERS}, tags=["grpo", "served", "sweep"], **module,
             description="GRPO sweep served by `grpo serve`: one pipeline run per trial of `space`.",
             **schedule_for("sweep")))
     return deployments

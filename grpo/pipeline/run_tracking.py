@@ -114,4 +114,6 @@ def log_run_artifacts(tracker: MlflowTracker, cfg: ExperimentConfig, run: RunDir
                               f"eval/samples_{tag}.json")
     tracker.log_artifact(run.summary_file)
     if cfg.tracking.log_model:
-        log_model(tracker, run.model_dir, run.model_dir)
+        log_model(tracker, run.model_dir, run.model_dir)  # with model.lora: the adapter (a peft model)
+        if cfg.model.lora.enabled and cfg.model.lora.save_merged and run.merged_model_dir.is_dir():
+            log_model(tracker, run.merged_model_dir, run.merged_model_dir, name="merged_model")

@@ -1,26 +1,39 @@
-"""Sweep search spaces over any config field, by dotted path; expanded and validated before anything runs.
+"""Sweep search spaces over any config field, by dotted path, as Optuna distributions, samplers and pruners.
 
-A space is a mapping with a ``grid`` part, a ``random`` part, or both::
+A space names a sampler, the fields it varies and optionally a pruner::
 
-    grid:                                   # every combination (the last field varies fastest)
-      grpo.learning_rate: [1.0e-4, 3.0e-4]
-      grpo.beta: [0.0, 0.04]
-    random:                                 # n_trials draws, deterministic for the seed
-      n_trials: 4
-      seed: 0
-      params:
-        grpo.learning_rate: {loguniform: [1.0e-5, 1.0e-3]}
-        grpo.temperature: {uniform: [0.7, 1.2]}
-        grpo.num_generations: {choice: [4, 8]}
-        model.warm_start.steps: {int: [100, 300]}      # inclusive bounds
+    sampler: tpe                              # grid | random | tpe (Optuna's TPESampler)
+    n_trials: 6                               # new trials per invocation (a grid: every combination, once)
+    seed: 0                                   # the sampler's seed
+    startup_trials: 3                         # tpe only: random trials before TPE models the study (Optuna: 10)
+    params:
+      grpo.learning_rate: {loguniform: [1.0e-5, 1.0e-3]}   # FloatDistribution(log=True)
+      grpo.temperature: {uniform: [0.7, 1.2]}              # FloatDistribution
+      model.warm_start.steps: {int: [100, 300]}            # IntDistribution, inclusive bounds
+      grpo.num_generations: {choice: [4, 8]}               # CategoricalDistribution (a plain list means the same)
+    pruner:                                   # optional; stops bad trials from their intermediate values
+      type: median                            # median (MedianPruner) | hyperband (HyperbandPruner) | none
+      metric: reward                          # a trainer metric reported at every logging step (default reward)
+      direction: maximize                     # how that metric improves (default maximize)
+      n_startup_trials: 2                     # median: n_startup_trials, n_warmup_steps, interval_steps, n_min_trials
+                                              # hyperband: min_resource, max_resource, reduction_factor
 
-With both parts, every grid point is crossed with the same ``n_trials`` random draws (``len(grid) * n_trials``
-trials), so grid values are compared on identical random settings. A field may appear in one part only.
+With ``sampler: grid`` each param is a list of values and an invocation runs every combination once, in product order
+(the last field varies fastest). The earlier forms still load: ``grid: {field: [values]}`` is ``sampler: grid`` and
+``random: {n_trials, seed, params}`` is ``sampler: random``; the two together (grid points crossed with the same random
+draws) are refused with a message saying how to write it now.
 
-:func:`expand_space` applies each trial's values to the base config and validates the result with the same rules as
-a config file; a bad path or a combination the config rejects raises :class:`SpaceError` naming the trial and the
-field. Paths follow :func:`grpo.config.flatten` (``async.*`` by its YAML name; free-form dict fields such as
-``grpo.extra.<trl field>`` take any key). ``output_dir`` and ``tracking.*`` belong to the sweep and can not vary.
+What is own code here, and why: the space file format and its one-line errors (Optuna has no file format), field
+paths (a sweep varies this platform's config, by the paths :func:`grpo.config.flatten` uses) and the checks of the
+configs a space yields before anything runs. Sampling, pruning and their state are Optuna's. A grid is run by
+enqueuing every combination (``Study.enqueue_trial``) rather than with ``GridSampler``: this flow drives Optuna with
+ask/tell, where ``GridSampler.after_trial`` calls ``Study.stop()`` (which only works inside ``Study.optimize``), and a
+continued grid study would get random repeats instead of the grid once more each invocation.
+
+:func:`validate_space` checks a space against a base config now: field paths (an unknown one is named, with the
+closest valid path), every grid combination, and every distribution's bounds and choices one field at a time (a
+combination that only fails together fails that trial when sampled, not the sweep). ``output_dir`` and ``tracking.*``
+belong to the sweep and can not vary.
 """
 
 from __future__ import annotations
@@ -29,8 +42,8 @@ import difflib
 import itertools
 import json
 import math
-import random
 import typing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +53,17 @@ from pydantic import BaseModel
 from grpo.config import ExperimentConfig, config_from_dict, flatten, preset_file, presets
 from grpo.errors import ConfigError
 
+SAMPLERS = ("grid", "random", "tpe")
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "choice")
+PRUNERS = {  # type -> the options it takes (besides type, metric, direction)
+    "none": (),
+    "median": ("n_startup_trials", "n_warmup_steps", "interval_steps", "n_min_trials"),
+    "hyperband": ("min_resource", "max_resource", "reduction_factor"),
+}
+DIRECTIONS = ("maximize", "minimize")
 RESERVED = ("output_dir", "tracking")  # the sweep decides where trials write and which MLflow experiment they use
-_SPACE_KEYS = ("grid", "random")
+_SPACE_KEYS = ("sampler", "n_trials", "seed", "startup_trials", "params", "pruner")
+_LEGACY_KEYS = ("grid", "random")
 _RANDOM_KEYS = ("n_trials", "seed", "params")
 
 
@@ -76,45 +97,98 @@ def load_space(path: str | Path) -> dict:
     return data
 
 
-def check_space(space: Any) -> None:
-    """Structure of a space (keys, distribution specs, bounds); field paths are checked by :func:`expand_space`."""
+def normalize_space(space: Any) -> dict:
+    """The space in its current form (``sampler``, ``n_trials``, ``seed``, ``params``, ``pruner``), its structure
+    checked; :class:`SpaceError` naming the key otherwise. Field paths are checked by :func:`validate_space`."""
     if not isinstance(space, dict) or not space:
-        raise SpaceError("space: expected a mapping with 'grid' and/or 'random'")
-    unknown = [k for k in space if k not in _SPACE_KEYS]
-    if unknown:
-        raise SpaceError(f"space.{unknown[0]}: unknown key{_hint(str(unknown[0]), _SPACE_KEYS)}; valid: grid, random")
+        raise SpaceError("space: expected a mapping with sampler (grid, random, tpe) and params")
+    legacy = [k for k in space if k in _LEGACY_KEYS]
+    if legacy:
+        return _normalize(_from_legacy(space))
+    return _normalize(space)
+
+
+def check_space(space: Any) -> None:
+    """Structure of a space (keys, sampler, distribution specs, bounds, pruner); raises :class:`SpaceError`."""
+    normalize_space(space)
+
+
+def _from_legacy(space: dict) -> dict:
+    other = [k for k in space if k not in _LEGACY_KEYS]
+    if other:
+        raise SpaceError(f"space.{other[0]}: not allowed next to grid/random; write the space with sampler: "
+                         f"{'|'.join(SAMPLERS)} and params")
+    if "grid" in space and "random" in space:
+        raise SpaceError("space: grid and random together (grid points crossed with the same random draws) are no "
+                         "longer supported; use sampler: grid with a list per field, or sampler: random|tpe with "
+                         "{choice: [...]} for the grid's fields")
     if "grid" in space:
         grid = space["grid"]
         if not isinstance(grid, dict) or not grid:
             raise SpaceError("space.grid: expected a mapping of field path -> list of values")
-        for field, values in grid.items():
+        for name, values in grid.items():
             if not isinstance(values, list) or not values:
-                raise SpaceError(f"space.grid.{field}: expected a non-empty list of values (got {values!r})")
-    if "random" in space:
-        rnd = space["random"]
-        if not isinstance(rnd, dict):
-            raise SpaceError("space.random: expected a mapping with n_trials, seed, params")
-        unknown = [k for k in rnd if k not in _RANDOM_KEYS]
-        if unknown:
-            raise SpaceError(f"space.random.{unknown[0]}: unknown key{_hint(str(unknown[0]), _RANDOM_KEYS)}; "
-                             f"valid: {', '.join(_RANDOM_KEYS)}")
-        n = rnd.get("n_trials")
+                raise SpaceError(f"space.grid.{name}: expected a non-empty list of values (got {values!r})")
+        return {"sampler": "grid", "params": grid}
+    rnd = space["random"]
+    if not isinstance(rnd, dict):
+        raise SpaceError("space.random: expected a mapping with n_trials, seed, params")
+    unknown = [k for k in rnd if k not in _RANDOM_KEYS]
+    if unknown:
+        raise SpaceError(f"space.random.{unknown[0]}: unknown key{_hint(str(unknown[0]), _RANDOM_KEYS)}; "
+                         f"valid: {', '.join(_RANDOM_KEYS)}")
+    try:
+        return _normalize({"sampler": "random", **rnd})
+    except SpaceError as err:  # name the keys as the file does
+        raise SpaceError(str(err).replace("space.", "space.random.", 1)) from None
+
+
+def _normalize(space: dict) -> dict:
+    unknown = [k for k in space if k not in _SPACE_KEYS]
+    if unknown:
+        raise SpaceError(f"space.{unknown[0]}: unknown key{_hint(str(unknown[0]), _SPACE_KEYS + _LEGACY_KEYS)}; "
+                         f"valid: {', '.join(_SPACE_KEYS)}")
+    sampler = space.get("sampler")
+    if sampler not in SAMPLERS:
+        raise SpaceError(f"space.sampler: {sampler!r} is not a sampler{_hint(str(sampler), SAMPLERS)}; "
+                         f"valid: {', '.join(SAMPLERS)}")
+    params = space.get("params")
+    if not isinstance(params, dict) or not params:
+        raise SpaceError("space.params: expected a mapping of field path -> "
+                         + ("list of values" if sampler == "grid" else "distribution"))
+    seed = space.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise SpaceError(f"space.seed: expected an integer (got {seed!r})")
+    out: dict[str, Any] = {"sampler": sampler, "seed": seed, "params": {}}
+    if sampler == "grid":
+        if "n_trials" in space:
+            raise SpaceError("space.n_trials: a grid runs every combination once; leave n_trials out")
+        for name, values in params.items():
+            if not isinstance(values, list) or not values:
+                raise SpaceError(f"space.params.{name}: a grid needs a non-empty list of values (got {values!r})")
+            out["params"][name] = [_maybe_number(v) for v in values]
+        out["n_trials"] = math.prod(len(v) for v in out["params"].values())
+    else:
+        n = space.get("n_trials")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise SpaceError(f"space.random.n_trials: expected an integer >= 1 (got {n!r})")
-        seed = rnd.get("seed", 0)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise SpaceError(f"space.random.seed: expected an integer (got {seed!r})")
-        params = rnd.get("params")
-        if not isinstance(params, dict) or not params:
-            raise SpaceError("space.random.params: expected a mapping of field path -> distribution")
-        for field, spec in params.items():
-            _check_distribution(f"space.random.params.{field}", spec)
-    both = set(space.get("grid") or {}) & set((space.get("random") or {}).get("params") or {})
-    if both:
-        raise SpaceError(f"space: {sorted(both)[0]} is in both grid and random; keep it in one")
+            raise SpaceError(f"space.n_trials: expected an integer >= 1 (got {n!r})")
+        out["n_trials"] = n
+        for name, spec in params.items():
+            out["params"][name] = _check_distribution(f"space.params.{name}", spec)
+    if "startup_trials" in space:
+        startup = space["startup_trials"]
+        if sampler != "tpe":
+            raise SpaceError(f"space.startup_trials: only for sampler: tpe (this space's sampler is {sampler})")
+        if isinstance(startup, bool) or not isinstance(startup, int) or startup < 0:
+            raise SpaceError(f"space.startup_trials: expected an integer >= 0 (got {startup!r})")
+        out["startup_trials"] = startup
+    out["pruner"] = _check_pruner(space.get("pruner"))
+    return out
 
 
-def _check_distribution(where: str, spec: Any) -> None:
+def _check_distribution(where: str, spec: Any) -> dict:
+    if isinstance(spec, list):  # a plain list: a choice
+        spec = {"choice": spec}
     if not isinstance(spec, dict) or len(spec) != 1:
         raise SpaceError(f"{where}: expected one of {{{', '.join(f'{d}: ...' for d in DISTRIBUTIONS)}}} (got {spec!r})")
     (kind, arg), = spec.items()
@@ -124,18 +198,57 @@ def _check_distribution(where: str, spec: Any) -> None:
     if kind == "choice":
         if not isinstance(arg, list) or not arg:
             raise SpaceError(f"{where}: choice needs a non-empty list of values (got {arg!r})")
-        return
+        return {"choice": [_maybe_number(v) for v in arg]}
     if not isinstance(arg, list) or len(arg) != 2:
         raise SpaceError(f"{where}: {kind} needs [low, high] (got {arg!r})")
     if kind == "int":
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in arg) or arg[0] > arg[1]:
             raise SpaceError(f"{where}: int needs integers [low, high] with low <= high (got {arg!r})")
-        return
+        return {"int": list(arg)}
     lo, hi = (_number(v) for v in arg)
     if lo is None or hi is None or not lo < hi:
         raise SpaceError(f"{where}: {kind} needs numbers [low, high] with low < high (got {arg!r})")
     if kind == "loguniform" and lo <= 0:
         raise SpaceError(f"{where}: loguniform needs 0 < low < high (got {arg!r})")
+    return {kind: [lo, hi]}
+
+
+def _check_pruner(spec: Any) -> dict | None:
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        spec = {"type": spec}
+    if not isinstance(spec, dict):
+        raise SpaceError(f"space.pruner: expected a mapping with type ({', '.join(PRUNERS)}) (got {spec!r})")
+    kind = spec.get("type")
+    if kind not in PRUNERS:
+        raise SpaceError(f"space.pruner.type: {kind!r} is not a pruner{_hint(str(kind), PRUNERS)}; "
+                         f"valid: {', '.join(PRUNERS)}")
+    if kind == "none":
+        if len(spec) > 1:
+            raise SpaceError(f"space.pruner.{next(k for k in spec if k != 'type')}: pruner none takes no options")
+        return None
+    valid = ("type", "metric", "direction", *PRUNERS[kind])
+    unknown = [k for k in spec if k not in valid]
+    if unknown:
+        raise SpaceError(f"space.pruner.{unknown[0]}: unknown option of the {kind} pruner"
+                         f"{_hint(str(unknown[0]), valid)}; valid: {', '.join(valid)}")
+    metric = spec.get("metric", "reward")
+    if not isinstance(metric, str) or not metric:
+        raise SpaceError(f"space.pruner.metric: expected a trainer metric name such as reward (got {metric!r})")
+    direction = spec.get("direction", "maximize")
+    if direction not in DIRECTIONS:
+        raise SpaceError(f"space.pruner.direction: {direction!r}; valid: {', '.join(DIRECTIONS)}")
+    for key in PRUNERS[kind]:
+        value = spec.get(key)
+        if value is None or (key == "max_resource" and value == "auto"):
+            continue
+        lowest = 2 if key == "reduction_factor" else 0 if key in ("n_startup_trials", "n_warmup_steps") else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+            raise SpaceError(f"space.pruner.{key}: expected an integer >= {lowest}"
+                             f"{' or auto' if key == 'max_resource' else ''} (got {value!r})")
+    return {"type": kind, "metric": metric, "direction": direction,
+            **{k: spec[k] for k in PRUNERS[kind] if spec.get(k) is not None}}
 
 
 def _number(value: Any) -> float | None:
@@ -149,6 +262,14 @@ def _number(value: Any) -> float | None:
     return out if math.isfinite(out) else None
 
 
+def _maybe_number(value: Any) -> Any:
+    """A grid/choice value: YAML's ``1e-4`` string as the float it means (a config string that reads as a number
+    would be converted back by the config's own validation); everything else as it is."""
+    if isinstance(value, str) and _number(value) is not None and any(c.isdigit() for c in value):
+        return float(value)
+    return value
+
+
 def _hint(word: str, options) -> str:
     close = difflib.get_close_matches(word, list(options), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -159,9 +280,9 @@ def _hint(word: str, options) -> str:
 
 def _all_paths(model: type[BaseModel] = ExperimentConfig, prefix: str = "") -> list[str]:
     out = []
-    for name, field in model.model_fields.items():
-        key = f"{prefix}{field.alias or name}"
-        sub = _section(field.annotation)
+    for name, f in model.model_fields.items():
+        key = f"{prefix}{f.alias or name}"
+        sub = _section(f.annotation)
         out.extend(_all_paths(sub, key + ".") if sub else [key])
     return out
 
@@ -195,12 +316,12 @@ def check_path(path: str) -> list[str]:
             close = difflib.get_close_matches(path, options, n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise SpaceError(f"{path}: unknown config field{hint}")
-        field = fields[part]
-        sub = _section(field.annotation)
+        f = fields[part]
+        sub = _section(f.annotation)
         if sub is not None:
             model = sub
             continue
-        if i < len(parts) - 1 and not _is_mapping(field.annotation):
+        if i < len(parts) - 1 and not _is_mapping(f.annotation):
             raise SpaceError(f"{path}: {'.'.join(parts[: i + 1])} is a value, not a section")
         break
     return ["async" if p == "async_" else p for p in parts]
@@ -216,61 +337,138 @@ def _set(data: dict, parts: list[str], value: Any) -> None:
     node[parts[-1]] = value
 
 
-# ---------------------------------------------------------------- expansion
+# ---------------------------------------------------------------- the validated space
 
 
-def _sample(rng: random.Random, spec: dict) -> Any:
-    (kind, arg), = spec.items()
-    if kind == "choice":
-        return arg[rng.randrange(len(arg))]
-    if kind == "int":
-        return rng.randint(int(arg[0]), int(arg[1]))
-    lo, hi = float(arg[0]), float(arg[1])
-    x = math.exp(rng.uniform(math.log(lo), math.log(hi))) if kind == "loguniform" else rng.uniform(lo, hi)
-    return float(f"{x:.6g}")  # readable run params; still deterministic for the seed
+def _scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
-def trial_overrides(space: dict) -> list[dict[str, Any]]:
-    """The per-trial values (``{field path: value}``), in trial order; deterministic for the space (and its seed)."""
-    check_space(space)
-    grid = space.get("grid") or {}
-    points: list[dict[str, Any]] = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())] or [{}]
-    rnd = space.get("random")
-    if not rnd:
-        return points
-    rng = random.Random(rnd.get("seed", 0))
-    draws = [{field: _sample(rng, spec) for field, spec in rnd["params"].items()} for _ in range(rnd["n_trials"])]
-    return [{**point, **draw} for point in points for draw in draws]
+@dataclass
+class Space:
+    """A space checked against a base config: Optuna's sampler, pruner and distributions for it, and the trial
+    config for a set of values. Build it with :func:`validate_space`."""
 
+    sampler_kind: str
+    n_trials: int
+    seed: int
+    params: dict[str, Any]
+    pruner_spec: dict | None
+    startup_trials: int | None
+    base_data: dict
+    paths: dict[str, list[str]]
+    encoded: set[str] = field(default_factory=set)  # choice fields of lists/dicts, JSON strings in Optuna
 
-def expand_space(base: ExperimentConfig, space: dict) -> list[tuple[dict[str, Any], ExperimentConfig]]:
-    """``[(trial_overrides, trial_config), ...]``: every trial's config built from ``base`` and validated now.
+    @property
+    def fields(self) -> list[str]:
+        return list(self.params)
 
-    Raises :class:`SpaceError` (a ``ValueError``) for a malformed space, an unknown field path (naming the field), or
-    a trial whose config does not validate (naming the trial, its values and the failing field).
-    """
-    overrides = trial_overrides(space)
-    fields = {f for trial in overrides for f in trial}
-    parsed = {}
-    for field in sorted(fields):
-        try:
-            parsed[field] = check_path(field)
-        except SpaceError as err:
-            raise SpaceError(f"space: {err}") from None
-    base_data = base.model_dump(mode="json", by_alias=True)
-    trials = []
-    for index, values in enumerate(overrides):
-        data = json.loads(json.dumps(base_data))
-        for field, value in values.items():
-            _set(data, parsed[field], value)
+    def grid_points(self) -> list[dict[str, Any]]:
+        """A grid's combinations in product order (the last field varies fastest)."""
+        return [dict(zip(self.params, combo)) for combo in itertools.product(*self.params.values())]
+
+    def distributions(self) -> dict[str, Any]:
+        from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+        out = {}
+        for name, spec in self.params.items():
+            if self.sampler_kind == "grid":
+                spec = {"choice": spec}
+            (kind, arg), = spec.items()
+            if kind == "choice":
+                out[name] = CategoricalDistribution([self._encode(name, v) for v in arg])
+            elif kind == "int":
+                out[name] = IntDistribution(arg[0], arg[1])
+            else:
+                out[name] = FloatDistribution(arg[0], arg[1], log=kind == "loguniform")
+        return out
+
+    def _encode(self, name: str, value: Any) -> Any:
+        return json.dumps(value, sort_keys=True) if name in self.encoded else value
+
+    def decode(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Optuna's param values as config values (choices of lists/dicts are JSON strings in Optuna)."""
+        return {k: json.loads(v) if k in self.encoded and isinstance(v, str) else v for k, v in params.items()}
+
+    def sampler(self):
+        import optuna
+
+        if self.sampler_kind == "tpe":
+            startup = {} if self.startup_trials is None else {"n_startup_trials": self.startup_trials}
+            return optuna.samplers.TPESampler(seed=self.seed, **startup)
+        return optuna.samplers.RandomSampler(seed=self.seed)  # a grid's trials are enqueued: it never samples them
+
+    def pruner(self):
+        import optuna
+
+        spec = self.pruner_spec
+        if spec is None:
+            return optuna.pruners.NopPruner()
+        options = {k: v for k, v in spec.items() if k not in ("type", "metric", "direction")}
+        if spec["type"] == "median":
+            return optuna.pruners.MedianPruner(**options)
+        return optuna.pruners.HyperbandPruner(**options)
+
+    def enqueue_grid(self, study) -> None:
+        """Enqueue every grid combination (once per invocation; a continued grid study runs the grid again)."""
+        for point in self.grid_points():
+            study.enqueue_trial({k: self._encode(k, v) for k, v in point.items()})
+
+    def suggest(self, trial) -> dict[str, Any]:
+        """The trial's values (config values), sampled (or taken from the enqueued grid point) by Optuna."""
+        from optuna.distributions import CategoricalDistribution, IntDistribution
+
+        values = {}
+        for name, dist in self.distributions().items():
+            if isinstance(dist, CategoricalDistribution):
+                values[name] = trial.suggest_categorical(name, dist.choices)
+            elif isinstance(dist, IntDistribution):
+                values[name] = trial.suggest_int(name, dist.low, dist.high)
+            else:
+                values[name] = trial.suggest_float(name, dist.low, dist.high, log=dist.log)
+        return self.decode(values)
+
+    def config(self, values: dict[str, Any], source: str) -> tuple[dict[str, Any], ExperimentConfig]:
+        """(the values as the config validated them, the trial's config); :class:`SpaceError` naming ``source``."""
+        data = json.loads(json.dumps(self.base_data))
+        for name, value in values.items():
+            _set(data, self.paths[name], value)
         shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
         try:
-            cfg = config_from_dict(data, source=f"trial {index} ({shown})")
+            cfg = config_from_dict(data, source=f"{source} ({shown})")
         except ConfigError as err:
             raise SpaceError(str(err)) from None
         flat = flatten(cfg)  # the validated value ("3e-4" read from YAML -> 0.0003)
-        trials.append(({k: flat.get(k, v) for k, v in values.items()}, cfg))
-    return trials
+        return {k: flat.get(k, v) for k, v in values.items()}, cfg
 
 
-__all__ = ["SpaceError", "load_space", "check_space", "check_path", "trial_overrides", "expand_space"]
+def validate_space(base: ExperimentConfig, space: dict) -> Space:
+    """The space checked against ``base`` before anything runs: structure, field paths, every grid combination,
+    every distribution's bounds and choices (one field at a time, the others at the base config's values).
+
+    Raises :class:`SpaceError` (a ``ValueError``) naming the field (and the grid trial or value) that fails.
+    """
+    norm = normalize_space(space)
+    paths = {}
+    for name in sorted(norm["params"]):
+        try:
+            paths[name] = check_path(name)
+        except SpaceError as err:
+            raise SpaceError(f"space: {err}") from None
+    encoded = {name for name, spec in norm["params"].items()
+               if not all(_scalar(v) for v in (spec if norm["sampler"] == "grid" else spec.get("choice", [])))}
+    out = Space(norm["sampler"], norm["n_trials"], norm["seed"], norm["params"], norm["pruner"],
+                norm.get("startup_trials"), base.model_dump(mode="json", by_alias=True), paths, encoded)
+    if out.sampler_kind == "grid":
+        for index, point in enumerate(out.grid_points()):
+            out.config(point, f"trial {index}")
+        return out
+    for name, spec in out.params.items():
+        (kind, arg), = spec.items()
+        for value in arg:
+            out.config({name: value}, f"space.params.{name}")
+    return out
+
+
+__all__ = ["SpaceError", "Space", "load_space", "check_space", "normalize_space", "check_path", "validate_space",
+           "SAMPLERS", "PRUNERS", "DISTRIBUTIONS"]

@@ -682,11 +682,11 @@ def use_tracking_uri(uri: str) -> Iterator[None]:
             os.environ["MLFLOW_TRACKING_URI"] = old_env
 
 
-def _pip_requirements() -> list[str]:
+def _pip_requirements(extra: tuple[str, ...] = ()) -> list[str]:
     from importlib.metadata import PackageNotFoundError, version
 
     reqs = []
-    for name in ("mlflow", "transformers", "torch", "tokenizers", "accelerate"):
+    for name in ("mlflow", "transformers", "torch", "tokenizers", "accelerate", *extra):
         try:
             reqs.append(f"{name}=={version(name)}")
         except PackageNotFoundError:
@@ -719,11 +719,18 @@ def log_model(
         raise TrackingError("log_model: the tracker is not started")
     model_dir = Path(model_dir).resolve()
     tokenizer_dir = Path(tokenizer_dir).resolve() if tokenizer_dir else model_dir
-    from grpo.training.policy import MODEL_LOCK
+    from grpo.training.policy import MODEL_LOCK, is_adapter_dir, load_adapted
 
     with MODEL_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+        # A LoRA run's model/ is a peft adapter, logged as a peft model: MLflow stores the adapter and references the
+        # base (a local folder by its path: MLflow's own copy of a local base, made when it is no hub id, comes out
+        # with peft's layer names and loads as random weights), and load_model returns the PeftModel.
+        adapter = is_adapter_dir(model_dir)
+        model = load_adapted(model_dir) if adapter else AutoModelForCausalLM.from_pretrained(str(model_dir))
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    extra = {}
+    if adapter and Path(model.peft_config["default"].base_model_name_or_path).is_dir():
+        extra["base_model_path"] = model.peft_config["default"].base_model_name_or_path
     card = ModelCard(
         f"---\nlicense: other\ntags: [grpo]\n---\n# {name}\n\nGRPO-trained model from MLflow run {tracker.run_id}.\n"
     )
@@ -738,9 +745,10 @@ def log_model(
             name=name,
             task=task,
             model_card=card,
-            pip_requirements=_pip_requirements(),
+            pip_requirements=_pip_requirements(("peft",) if adapter else ()),
             run_id=tracker.run_id,
             model_id=logged.model_id,
+            **extra,
         )
     try:
         client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)

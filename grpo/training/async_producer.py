@@ -37,7 +37,19 @@ def _serialize_state(state_dict: dict) -> bytes:
     return buf.getvalue()
 
 
-def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int) -> None:
+# With model.lora the generator holds the base model and the adapter apart, as the trainer's peft model does, and a
+# weight sync sends only the adapter (peft's get/set_peft_model_state_dict): small, and the generator computes exactly
+# the trainer's function (unmerged, so no rounding from merging the adapter into the base).
+ADAPTER_FILE = "adapter.safetensors"
+
+
+def base_weights(peft_model) -> dict:
+    """The frozen base weights of a peft LoRA model under the plain model's names (adapter tensors left out)."""
+    state = peft_model.get_base_model().state_dict()
+    return {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
+
+
+def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int, lora=None) -> None:
     """The generator process: load the policy, then serve weight updates and generation requests until told to stop."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -45,6 +57,14 @@ def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int) -> None:
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    load_weights = model.load_state_dict
+    if lora is not None:
+        from peft import get_peft_model, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        model = get_peft_model(model, lora).eval()
+        load_weights = lambda sd: set_peft_model_state_dict(model, sd)  # noqa: E731
+        load_weights(load_file(os.path.join(model_dir, ADAPTER_FILE)))
     version = 0
     eos = gen["eos_token_ids"]
     while True:
@@ -57,7 +77,7 @@ def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int) -> None:
             return
         if kind == "weights":
             _, version, blob = msg
-            model.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+            load_weights(torch.load(io.BytesIO(blob), weights_only=True))
             continue
         _, round_id, prompt_ids = msg
         start = time.perf_counter()
@@ -103,10 +123,13 @@ def _generator_context() -> mp.context.BaseContext:
 class AsyncRolloutProducer:
     """Client side of the generator process: submit rounds ahead, collect them in order, push weights."""
 
-    def __init__(self, model_dir: str, generation: dict, seed: int, threads: int = 1, start_timeout: float = 120):
+    def __init__(self, model_dir: str, generation: dict, seed: int, threads: int = 1, start_timeout: float = 120,
+                 lora=None):
+        """``lora``: the trainer's ``peft.LoraConfig`` when it trains an adapter (``model_dir`` then holds the base
+        weights and :data:`ADAPTER_FILE`; weight syncs carry the adapter's state dict)."""
         ctx = _generator_context()
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker, args=(child, model_dir, generation, seed, threads), daemon=True)
+        self._proc = ctx.Process(target=_worker, args=(child, model_dir, generation, seed, threads, lora), daemon=True)
         self._proc.start()
         child.close()
         # Sends go through one FIFO thread: a weight blob is larger than the pipe buffer, and a blocking send would

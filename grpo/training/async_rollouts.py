@@ -14,7 +14,10 @@ import itertools
 import time
 from pathlib import Path
 
+from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
+
+from grpo.training.async_producer import ADAPTER_FILE, base_weights
 
 
 class AsyncRollouts:
@@ -76,10 +79,18 @@ class AsyncRollouts:
         init_dir = Path(self.args.output_dir) / f"generator-init-rank{self.accelerator.process_index}"
         init_dir.mkdir(parents=True, exist_ok=True)
         model = self.accelerator.unwrap_model(self.model)
+        lora = None
+        if is_peft_model(model):  # model.lora: the generator holds the frozen base plus the adapter, as the trainer
+            lora = model.peft_config[model.active_adapter]
+            save_file(self._generator_weights(), str(init_dir / ADAPTER_FILE), metadata={"format": "pt"})
+            state = base_weights(model)
+            model = model.get_base_model()
+        else:
+            state = model.state_dict()
         model.config.save_pretrained(init_dir)
         # Every tensor under its own name (tied embeddings included): safetensors' save_model keeps one name of a
         # tied pair, and from_pretrained then left the other randomly initialised, so the generator sampled garbage.
-        state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+        state = {k: v.detach().contiguous().clone() for k, v in state.items()}
         save_file(state, str(init_dir / "model.safetensors"), metadata={"format": "pt"})
         gc = self.generation_config
         gen = {"max_new_tokens": self.max_completion_length, "temperature": gc.temperature, "top_p": gc.top_p,
@@ -87,7 +98,17 @@ class AsyncRollouts:
         # The trainer keeps all its intra-op threads: the generator is idle most of a step, and measured on 2 cores
         # (150 steps of the tiny preset) a trainer cut to 1 thread was 1.23x slower than one sharing the cores.
         self._producer = AsyncRolloutProducer(str(init_dir), gen, seed=self.args.seed + self.accelerator.process_index,
-                                              threads=producer_threads())
+                                              threads=producer_threads(), lora=lora)
+
+    def _generator_weights(self) -> dict:
+        """What a weight sync sends the generator: the whole state dict, or with ``model.lora`` the adapter's
+        (``peft.get_peft_model_state_dict``; the base never changes)."""
+        model = self.accelerator.unwrap_model(self.model)
+        if is_peft_model(model):
+            from peft import get_peft_model_state_dict
+
+            return get_peft_model_state_dict(model)
+        return model.state_dict()
 
     def _async_rollouts(self, prompt_ids: list[list[int]]):
         a = self.experiment.async_
@@ -109,7 +130,7 @@ class AsyncRollouts:
                 candidate = None
             rollout = candidate
         if rollout is None:
-            producer.push_weights(self.state.global_step, self.accelerator.unwrap_model(self.model).state_dict())
+            producer.push_weights(self.state.global_step, self._generator_weights())
             producer.submit(-1 - round_id, [list(p) for p in prompt_ids])
             rollout = producer.get(-1 - round_id)
         waited = time.perf_counter() - now
@@ -147,4 +168,4 @@ class _WeightSync(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
         if t._producer is not None and state.global_step % t.experiment.async_.vllm_sync_interval == 0:
-            t._producer.push_weights(state.global_step, t.accelerator.unwrap_model(t.model).state_dict())
+            t._producer.push_weights(state.global_step, t._generator_weights())

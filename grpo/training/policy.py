@@ -190,8 +190,56 @@ def plan_tokenizer(cfg: ExperimentConfig) -> Any | None:
 
 
 def trained_policy(model_dir: Path) -> Policy:
-    """The model a training stage saved, for evaluation."""
+    """The model a training stage saved, for evaluation: a full model, or a LoRA adapter (``model.lora``) loaded
+    onto its base and merged into it, so evaluation generates with the adapted policy at the plain model's speed."""
     with MODEL_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(model_dir,
-                                                     dtype="auto" if torch.cuda.is_available() else torch.float32)
+        dtype = "auto" if torch.cuda.is_available() else torch.float32
+        if is_adapter_dir(model_dir):
+            model = load_adapted(model_dir, dtype).merge_and_unload()
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         return Policy(model, AutoTokenizer.from_pretrained(model_dir), str(model_dir), True, 0.0, [])
+
+
+# ---------------------------------------------------------------- LoRA adapters (model.lora)
+
+
+def is_adapter_dir(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` holds a peft adapter (what a ``model.lora`` run saves) rather than a full model."""
+    return (Path(model_dir) / "adapter_config.json").is_file()
+
+
+def name_adapter_base(model, source: str) -> None:
+    """Name the base in the adapter's config as the absolute path of a local model folder (the tiny model's cache
+    entry, a model folder given as ``model.name_or_path``) or the hub id, so the saved adapter loads from any working
+    directory (peft records the base's ``name_or_path``, which may be relative)."""
+    base = Path(source)
+    name = str(base.resolve()) if base.is_dir() else source
+    for config in model.peft_config.values():
+        config.base_model_name_or_path = name
+
+
+def load_adapted(model_dir: str | Path, dtype: Any = "auto"):
+    """The ``peft.PeftModel`` saved in ``model_dir``: its base (named in the adapter config) with the adapter applied.
+    Not peft's ``AutoPeftModelForCausalLM``: that resizes the base's embeddings to ``len(tokenizer)`` when a tokenizer
+    sits beside the adapter, and the tiny model's tokenizer counts one token more than its vocabulary."""
+    from peft import PeftConfig, PeftModel
+
+    base = PeftConfig.from_pretrained(str(model_dir)).base_model_name_or_path
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    return PeftModel.from_pretrained(model, str(model_dir))
+
+
+def save_merged_model(adapter_dir: Path, out_dir: Path) -> Path:
+    """Write the adapter in ``adapter_dir`` merged into its base (``merge_and_unload``) as a plain transformers model
+    with the tokenizer, into ``out_dir`` (replaced atomically). Loaded from disk, so the trainer's model is untouched."""
+    with MODEL_LOCK:
+        merged = load_adapted(adapter_dir, "auto").merge_and_unload()
+        tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    out_dir = Path(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    merged.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir

@@ -15,7 +15,7 @@ from grpo.config import ExperimentConfig
 from grpo.rewards import get_reward
 from grpo.runs import RunDir
 from grpo.training.graceful_stop import StopAtStepEnd, stop_at_step_end
-from grpo.training.policy import Policy, model_turn
+from grpo.training.policy import Policy, model_turn, name_adapter_base, save_merged_model
 
 # Fields of the ``grpo`` section that are not GRPOConfig arguments (handled by the platform itself).
 _PLATFORM_ONLY = {"reward_funcs", "num_generations_chunks", "extra"}
@@ -44,6 +44,19 @@ def grpo_args(cfg: ExperimentConfig, output_dir: Path, use_cpu: bool = True):
     )
     kwargs.update(g.extra)
     return GRPOConfig(**kwargs)
+
+
+def peft_config(cfg: ExperimentConfig):
+    """``peft.LoraConfig`` for ``model.lora`` (None when it is off): what ``trl.GRPOTrainer`` takes as ``peft_config``
+    (TRL's ``--use_peft --lora_r --lora_alpha --lora_dropout --lora_target_modules``)."""
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return None
+    from peft import LoraConfig
+
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                      bias="none", task_type="CAUSAL_LM")
 
 
 class MetricsRecorder(TrainerCallback):
@@ -155,6 +168,7 @@ def _train(cfg, policy, train_dataset, run, resume, plan_path, callbacks, echo) 
         callbacks=[recorder, *callbacks],
         experiment=cfg,
         plan_path=plan_path,
+        peft_config=peft_config(cfg),  # model.lora: TRL wraps the policy in a peft model, the base frozen
     )
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -171,8 +185,12 @@ def _train(cfg, policy, train_dataset, run, resume, plan_path, callbacks, echo) 
         trainer.close_reward_pool()
         trainer.close_producer(wait=False)
     seconds = time.perf_counter() - start
+    if cfg.model.lora.enabled:  # model/ then holds the adapter (TRL's PeftModel saves only it), naming its base
+        name_adapter_base(trainer.accelerator.unwrap_model(trainer.model), policy.source)
     trainer.save_model(str(run.model_dir))
     policy.tokenizer.save_pretrained(run.model_dir)
+    if cfg.model.lora.enabled and cfg.model.lora.save_merged and trainer.accelerator.is_main_process:
+        save_merged_model(run.model_dir, run.merged_model_dir)
     names, curve = set(), []
     if run.metrics_file.is_file():
         for line in run.metrics_file.read_text().splitlines():
