@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.errors import GRPOPlatformError
+from grpo.pipeline.metric_keys import TRAIN_PREFIX
 
 ARTIFACT_PATH = "dashboard"
 _MAX_RUNS = 500  # more runs than this make an unreadable page; the newest are shown
@@ -197,18 +198,25 @@ def _collect(client, mlflow_runs: list) -> list[RunData]:
     for r in mlflow_runs:
         name = r.info.run_name or r.info.run_id[:8]
         counts[name] = counts.get(name, 0) + 1
+    mlflow_key: dict[tuple[str, str], str] = {}  # (run id, TRL name) -> the run's MLflow key (train/reward)
     for i, r in enumerate(mlflow_runs):
         name = r.info.run_name or r.info.run_id[:8]
+        latest = {}
+        for key, value in r.data.metrics.items():
+            if value is not None:
+                latest[key.removeprefix(TRAIN_PREFIX)] = value
+                mlflow_key[(r.info.run_id, key.removeprefix(TRAIN_PREFIX))] = key
         runs.append(RunData(
             run_id=r.info.run_id, name=name, label=name if counts[name] == 1 else f"{name} ({r.info.run_id[:6]})",
             status="PRUNED" if r.data.tags.get("grpo.sweep.pruned") == "true" else r.info.status, start_ms=r.info.start_time, end_ms=r.info.end_time, params=dict(r.data.params),
-            latest={k: v for k, v in r.data.metrics.items() if v is not None}, color=_COLORS[i % len(_COLORS)]))
+            latest=latest, color=_COLORS[i % len(_COLORS)]))
     wanted = set(REWARD_PANEL.metrics)
     for panel in METRIC_PANELS:
         wanted |= set(_panel_keys(panel, {k for run in runs for k in run.latest}))
     jobs = [(run, key) for run in runs for key in sorted(wanted & set(run.latest))]
     with ThreadPoolExecutor(max_workers=_HISTORY_WORKERS) as pool:
-        results = list(pool.map(lambda job: _history(client, job[0].run_id, job[1]), jobs))
+        results = list(pool.map(lambda job: _history(client, job[0].run_id, mlflow_key[(job[0].run_id, job[1])]),
+                                jobs))
     for (run, key), points in zip(jobs, results):
         if points:
             run.history[key] = points

@@ -54,7 +54,7 @@ def _metrics(i: int, lr: float, families: tuple[str, ...], t0: int) -> list[Metr
         if "async" in families:
             values |= {"async/staleness_mean": 0.5 + 0.1 * (step % 2), "async/staleness_max": float(1 + step % 2),
                        "async/queue_wait_s": 0.05, "async/generate_s": 1.1, "async/train_s": 0.7}
-        out += [Metric(k, v, ts, step) for k, v in values.items()]
+        out += [Metric(f"train/{k}", v, ts, step) for k, v in values.items()]  # the trainer's keys in MLflow
     acc_before = 0.30
     acc_after = acc_before + 0.1 * (i + 1)
     out += [Metric("eval/accuracy_before", acc_before, t0, 0), Metric("eval/pass_at_8_before", 0.5, t0, 0),
@@ -82,6 +82,7 @@ def make_experiment(uri: str) -> dict:
         children[run_name] = run.info.run_id
     client.set_terminated(parent.info.run_id, "FINISHED", end_time=t0 + 900_000)
     baseline = client.create_run(exp_id, run_name="baseline-other", start_time=t0)
+    # logged before the train/ prefix (grpo.pipeline.metric_keys): still read
     client.log_batch(baseline.info.run_id, metrics=[Metric("reward", 0.1, t0, s) for s in (1, 2)],
                      params=[Param("grpo.learning_rate", "5e-6")])
     return {"experiment": name, "experiment_id": exp_id, "sweep": parent.info.run_id, "children": children,

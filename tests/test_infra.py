@@ -238,6 +238,8 @@ def deployed(prefect_server):
 
 @pytest.mark.integration
 def test_deploy_creates_pools_and_deployments_with_schedule(prefect_server, deployed):
+    from flows.run_form import collapsed_sections
+
     s = prefect_server
     for name in ("default", "gpu", "nightly"):
         assert "successfully created" in deployed.stdout and f"Deploying {name}" in deployed.stdout
@@ -264,7 +266,8 @@ def test_deploy_creates_pools_and_deployments_with_schedule(prefect_server, depl
 
     default = s.get("deployments/name/grpo-pipeline/default")
     assert default["work_pool_name"] == "cpu-pool" and default["entrypoint"] == "flows/pipeline.py:grpo_pipeline"
-    assert default["parameters"] == {"preset": "tiny", "resume": False} and default["schedules"] == []
+    assert default["parameters"] == {"preset": "tiny", "resume": False, **collapsed_sections()}
+    assert default["schedules"] == []
     assert default["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
     schema = default["parameter_openapi_schema"]
     assert schema["properties"]["config"]["$ref"] == "#/definitions/ExperimentConfig"

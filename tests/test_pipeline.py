@@ -129,7 +129,7 @@ def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefe
     assert run.data.tags["prefect.flow_run_id"] == summary["prefect_flow_run_id"]
     for name in ("torch", "transformers", "trl", "accelerate", "datasets", "mlflow", "prefect"):
         assert run.data.tags[f"grpo.version.{name}"] == metadata.version(name), name
-    missing = (TRAIN_METRICS | STAGE_METRICS | TOOLKIT_METRICS) - set(run.data.metrics)
+    missing = ({f"train/{k}" for k in TRAIN_METRICS | TOOLKIT_METRICS} | STAGE_METRICS) - set(run.data.metrics)
     assert not missing, missing
     # the data trained on, as MLflow dataset inputs (the Datasets column said "None"): content hash and row counts
     inputs = {i.dataset.name: i for i in run.inputs.dataset_inputs}
@@ -139,7 +139,7 @@ def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefe
     assert json.loads(train.dataset.profile)["num_rows"] == cfg.data.num_train
     assert [t.value for t in train.tags if t.key == "mlflow.data.context"] == ["training"]
     assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
-    history = [m.step for m in client.get_metric_history(run.info.run_id, "reward")]
+    history = [m.step for m in client.get_metric_history(run.info.run_id, "train/reward")]
     assert history == [2, 4, 6, 8]
     assert any(k.startswith("system/") for k in run.data.metrics)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
@@ -235,7 +235,7 @@ def test_mlflow_outage_mid_run_loses_no_metric(tmp_path):
         summary = result["summary"]
         logged = [json.loads(line) for line in run.metrics_file.read_text().splitlines()]
         expected = [row["step"] for row in logged if "reward" in row["metrics"]]
-        got = [m.step for m in MlflowClient(server.uri).get_metric_history(summary["mlflow_run_id"], "reward")]
+        got = [m.step for m in MlflowClient(server.uri).get_metric_history(summary["mlflow_run_id"], "train/reward")]
         assert got == expected and len(expected) == 30
         assert during >= 3  # and the steps logged during the outage reached MLflow too (all 30 did)
         assert MlflowClient(server.uri).get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
@@ -278,5 +278,5 @@ def test_eval_retries_and_a_retried_pipeline_resumes_training(tmp_path, prefect_
     assert pipeline.run_count == 2 and pipeline.state.is_completed()
     assert any(r.run_count == 2 and r.state.is_completed() for r in runs["grpo-eval"])  # retried, then passed
     client = MlflowClient(mlflow_server.uri)
-    assert [m.step for m in client.get_metric_history(summary["mlflow_run_id"], "reward")] == [2, 4, 6, 8]
+    assert [m.step for m in client.get_metric_history(summary["mlflow_run_id"], "train/reward")] == [2, 4, 6, 8]
     assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"

@@ -85,10 +85,10 @@ def test_metrics_params_tags_artifacts_round_trip(mlflow_server, make_tracker, t
     assert run.info.run_name == "roundtrip"
     # the experiment opens on MLflow's training-runs view, not the GenAI overview (#15)
     assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
-    for key in ("loss", "reward", "learning_rate", "epoch", "eval_pass_at_8"):
-        assert history_steps(client, run_id, key) == list(range(1, 31)), key
-    assert "grad_norm" not in run.data.metrics and "note" not in run.data.metrics  # NaN and non-numbers skipped
-    loss = {m.step: m.value for m in client.get_metric_history(run_id, "loss")}
+    for key in ("loss", "reward", "learning_rate", "epoch", "eval_pass_at_8"):  # the trainer's, under train/
+        assert history_steps(client, run_id, f"train/{key}") == list(range(1, 31)), key
+    assert not {"train/grad_norm", "train/note", "reward", "loss"} & set(run.data.metrics)  # NaN, non-numbers skipped
+    loss = {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")}
     assert loss[4] == pytest.approx(0.25)
     assert {m.step: m.value for m in client.get_metric_history(run_id, "eval/accuracy")} == {0: 0.25, 30: 0.75}
     assert any(k.startswith("system/cpu_utilization_percentage") for k in run.data.metrics)

@@ -98,7 +98,7 @@ def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path
     summary = json.loads(run.summary_file.read_text())
     assert summary["steps"] == 40 and summary["resumed_from"].endswith(killed_at.name)
     assert summary["mlflow_run_id"] == first_run_id
-    mlflow_steps = [m.step for m in MlflowClient(mlflow_server.uri).get_metric_history(first_run_id, "reward")]
+    mlflow_steps = [m.step for m in MlflowClient(mlflow_server.uri).get_metric_history(first_run_id, "train/reward")]
     assert mlflow_steps == list(range(4, 41, 4))
     assert_readable_console(resumed.stdout + resumed.stderr, steps=40)
 

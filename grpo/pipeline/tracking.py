@@ -43,6 +43,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from grpo.errors import GRPOPlatformError
+from grpo.pipeline.metric_keys import TRAIN_PREFIX
 from grpo.pipeline.spool import Spool, read_state
 
 _log = logging.getLogger(__name__)
@@ -627,12 +628,14 @@ def tracker_from_config(cfg, run_dir: Path, project_dir: Path | None = None, **k
 
 
 class MlflowCallback(TrainerCallback):
-    """Forward every ``Trainer.log`` call to the tracker at ``state.global_step`` (main process only).
+    """Forward every ``Trainer.log`` call to the tracker at ``state.global_step`` (main process only), under
+    ``prefix`` (:data:`TRAIN_PREFIX` by default).
 
-    Numbers only; NaN is skipped. ``prefix`` (e.g. ``"warm_start/"``) keeps stages that restart their step count apart.
+    Numbers only; NaN is skipped. Another ``prefix`` (e.g. ``"warm_start/"``) keeps stages that restart their step
+    count apart.
     """
 
-    def __init__(self, tracker: MlflowTracker, prefix: str = "") -> None:
+    def __init__(self, tracker: MlflowTracker, prefix: str = TRAIN_PREFIX) -> None:
         self.tracker = tracker
         self.prefix = prefix
 
@@ -642,7 +645,7 @@ class MlflowCallback(TrainerCallback):
         self.tracker.log_metrics({f"{self.prefix}{k}": v for k, v in logs.items()}, step=state.global_step)
 
 
-def log_metrics_file(tracker: MlflowTracker, path: str | Path, prefix: str = "") -> int:
+def log_metrics_file(tracker: MlflowTracker, path: str | Path, prefix: str = TRAIN_PREFIX) -> int:
     """Replay a ``metrics.jsonl`` written by :class:`grpo.training.train.MetricsRecorder` (``{"step", "metrics"}`` lines).
 
     Idempotent: points whose (key, step) the run already has are dropped, so replaying after a live
