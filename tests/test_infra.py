@@ -270,17 +270,24 @@ def test_deploy_creates_pools_and_deployments_with_schedule(prefect_server, depl
     assert default["schedules"] == []
     assert default["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
     schema = default["parameter_openapi_schema"]
-    assert schema["properties"]["config"]["$ref"] == "#/definitions/ExperimentConfig"
-    grpo_fields = schema["definitions"]["GRPOSection"]["properties"]
+    # `prefect deploy` built the run form of flows/run_form.py: preset first, sections with every field described
+    props = schema["properties"]
+    assert min(props, key=lambda k: props[k]["position"]) == "preset"
+    assert props["preset"]["enum"] == ["qwen2.5-0.5b-gsm8k", "tiny", None] and props["preset"]["title"] == "Preset"
+    grpo_fields = props["grpo_settings"]["properties"]
     assert grpo_fields["loss_type"]["enum"][:3] == ["grpo", "dr_grpo", "dapo"]
     assert {"exact_match", "last_number_match"} <= set(grpo_fields["reward_funcs"]["items"]["enum"])
     assert grpo_fields["lr_scheduler_type"]["enum"][0] == "constant"
-    assert schema["definitions"]["AsyncSection"]["properties"]["vllm_importance_sampling_mode"]["enum"] == [
+    assert props["async_settings"]["properties"]["vllm_importance_sampling_mode"]["enum"] == [
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-    assert schema["properties"]["preset"]["anyOf"][0]["enum"] == ["qwen2.5-0.5b-gsm8k", "tiny"]
-    undescribed = [f"{model}.{field}" for model, d in schema["definitions"].items()
-                   for field, prop in d["properties"].items() if not prop.get("description")]
-    assert not undescribed, undescribed  # every form field says what it does
+
+    def leaves(properties: dict) -> list[tuple[str, dict]]:
+        return [leaf for name, prop in properties.items()
+                for leaf in (leaves(prop["properties"]) if "properties" in prop else [(name, prop)])]
+
+    undescribed = [name for section in props.values() if "properties" in section
+                   for name, prop in leaves(section["properties"]) if ":" not in prop.get("description", "")]
+    assert not undescribed, undescribed  # every form field says what it does after its dotted key
 
     gpu = s.get("deployments/name/grpo-pipeline/gpu")
     assert gpu["work_pool_name"] == "gpu-pool" and gpu["parameters"]["preset"] == "qwen2.5-0.5b-gsm8k"
@@ -566,7 +573,7 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
             model.locator(".schema-form-property__header button").first.click()
             page.locator(".p-overflow-menu-item:visible", has_text="Use form input").click()
             steps = _form_property(page, "Steps")
-            assert "model.warm_start.steps" in steps.inner_text()
+            expect(steps).to_contain_text("model.warm_start.steps")  # its description renders after the label
             steps.locator("input").fill("6")
             assert _form_property(page, "Learning Rate (Warm Start)").count() == 1
             model.scroll_into_view_if_needed()

@@ -26,13 +26,15 @@ def test_char_tokenizer_round_trips_and_has_special_tokens():
     assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "12+34=46"
 
 
-def test_tiny_policy_builds_offline_learns_format_and_is_cached(tmp_path):
+def test_tiny_policy_builds_offline_learns_format_and_is_cached(tmp_path, capfd):
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     cfg = load_config(None, ["data.num_train=800", "data.num_eval=100", "model.tiny.hidden_size=64",
                              "model.tiny.num_hidden_layers=2", "model.warm_start.steps=150"])
     data = load_data(cfg)
     first = load_policy(cfg, data, log=lambda *_: None)
     assert not first.cached and len(first.warm_start_losses) == 150
+    out = capfd.readouterr().out  # not a terminal: no progress bar, and not the blank line it used to leave
+    assert "" not in out.splitlines(), repr(out)
     assert first.warm_start_losses[-1] < first.warm_start_losses[0] * 0.7
     prompts, answers = list(data["eval"]["prompt"]), list(data["eval"]["answer"])
     result = evaluate_policy(first.model, first.tokenizer, prompts, answers, exact_match, max_new_tokens=4, pass_k=4,

@@ -154,6 +154,7 @@ def warm_start_pairs(data: DatasetDict, cfg: ExperimentConfig, tokenizer: PreTra
 
 
 def _warm_start_with_progress(model, tokenizer, data: DatasetDict, cfg: ExperimentConfig) -> list[float]:
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     ws = cfg.model.warm_start
@@ -161,6 +162,7 @@ def _warm_start_with_progress(model, tokenizer, data: DatasetDict, cfg: Experime
     with Progress(
         TextColumn("warm start"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
         TimeRemainingColumn(), transient=True,
+        disable=not Console().is_terminal,  # a bar for a terminal; in a log or pipe it left a stray blank line
     ) as progress:
         task = progress.add_task("warm", total=ws.steps, loss=float("nan"))
         return supervised_warm_start(
