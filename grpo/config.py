@@ -435,7 +435,8 @@ class AsyncSection(_Section):
     """Async GRPO and the fast-async toolkit; names as in axolotl's ``trl:`` block."""
 
     use_data_producer: bool = False
-    """Generate rollouts in a separate producer (a CPU generator process; TRL's vLLM on GPU)."""
+    """Generate rollouts in a separate producer: a CPU generator process, or with grpo.use_vllm and
+    grpo.vllm_mode: server a vLLM server on its own GPU (TRL's client)."""
     async_prefetch: bool = False
     """Let the producer run ahead of training: the next rounds are generated while this one trains."""
     prefetch_depth: int = Field(1, ge=1)
@@ -575,6 +576,8 @@ class ExperimentConfig(_Section):
             raise ValueError(f"grpo.epsilon_high ({g.epsilon_high}) must be >= grpo.epsilon ({g.epsilon})")
         if g.loss_type == "luspo" and g.importance_sampling_level != "sequence":
             raise ValueError("grpo.loss_type 'luspo' requires grpo.importance_sampling_level: sequence")
+        if (a.use_data_producer or a.async_prefetch) and g.use_vllm:
+            self._async_vllm_rules()
         if g.use_vllm and importlib.util.find_spec("vllm") is None:
             raise ValueError("grpo.use_vllm: vllm is not installed; install the 'gpu' extra (pip install -e '.[gpu]')")
         if self.model.is_tiny and self.data.prompt_format == "chat":
@@ -624,6 +627,25 @@ class ExperimentConfig(_Section):
                     f"steps_per_generation = {per_rank} must be divisible by grpo.num_generations ({g.num_generations})"
                 )
         return self
+
+    def _async_vllm_rules(self) -> None:
+        """Async rollouts with ``grpo.use_vllm``: only a vLLM server on its own GPU can generate while the trainer
+        trains (grpo/training/rollout_engines.py)."""
+        g, s = self.grpo, self.sampling
+        if g.vllm_mode == "colocate":
+            raise ValueError(
+                "async.use_data_producer (or async_prefetch) with grpo.use_vllm and grpo.vllm_mode 'colocate': a "
+                "colocated vLLM shares the trainer's GPU and generates inside the training step, so it can not run "
+                "ahead of training: set grpo.vllm_mode: server (trl vllm-serve on its own GPU), or turn async off "
+                "(TRL's synchronous colocated generation)"
+            )
+        if s.world_size > 1:
+            raise ValueError(
+                f"async.use_data_producer (or async_prefetch) with grpo.use_vllm in server mode and "
+                f"sampling.world_size ({s.world_size}) > 1: one trainer process owns the vLLM server's weight-sync "
+                "group and the rollouts' policy versions, and async generation for several processes is not "
+                "implemented: use sampling.world_size: 1, or turn async off (TRL's synchronous server mode)"
+            )
 
     def _loss_layout_rules(self) -> None:
         """Loss options that must mean the same whatever the micro-batch layout (chunks, token-budget balancing).

@@ -113,9 +113,12 @@ CHECKS: dict[str, Callable[[dict], None]] = {
     "trl_parity": _trl_parity,
 }
 FAST = {"balance", "reward_pool"}  # seconds; the others train, start servers or plan in a subprocess
+# Needs CUDA and vLLM: refuses on CPU (exit 2, one line), tested so in tests/test_rollout_engines.py.
+GPU_ONLY = {"gpu_smoke"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in FAST else [pytest.mark.integration]) for n in available()])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in FAST else [pytest.mark.integration])
+                                  for n in available() if n not in GPU_ONLY])
 def test_benchmark_smoke(name, request):
     assert name in CHECKS, f"benchmark {name} has no smoke check in tests/test_benchmarks.py"
     # Sub-processes inherit the session's GRPO_CACHE_DIR, so the tiny warm start is built once for all of them.

@@ -47,6 +47,26 @@ REFUSED = {
          "set async.vllm_sync_interval <= async.max_staleness"],
         ["async.async_prefetch=true", "async.vllm_sync_interval=2", "async.max_staleness=2"],
     ),
+    # Nearby: the same async run on the CPU engine (server mode itself loads only where vllm is installed; it is
+    # loaded with vllm faked present in test_async_vllm_server_mode_loads_and_selects_the_server_engine).
+    "async_with_colocated_vllm": (
+        ["async.use_data_producer=true", "grpo.use_vllm=true", "grpo.vllm_mode=colocate"],
+        ["async.use_data_producer (or async_prefetch) with grpo.use_vllm and grpo.vllm_mode 'colocate'",
+         "can not run ahead of training", "set grpo.vllm_mode: server"],
+        ["async.use_data_producer=true"],
+    ),
+    "async_prefetch_with_colocated_vllm": (
+        ["async.async_prefetch=true", "grpo.use_vllm=true"],
+        ["grpo.vllm_mode 'colocate'", "can not run ahead of training"],
+        ["async.async_prefetch=true"],
+    ),
+    "async_vllm_server_with_several_processes": (
+        ["async.use_data_producer=true", "grpo.use_vllm=true", "grpo.vllm_mode=server", "sampling.world_size=2",
+         "grpo.per_device_train_batch_size=8"],
+        ["grpo.use_vllm in server mode and sampling.world_size (2) > 1", "not implemented",
+         "use sampling.world_size: 1"],
+        ["async.use_data_producer=true", "sampling.world_size=2", "grpo.per_device_train_batch_size=8"],
+    ),
     "extra_overrides_async_is_mode": (
         ["grpo.extra.vllm_importance_sampling_mode=sequence_mask"],
         ["grpo.extra: 'vllm_importance_sampling_mode' is set from async.vllm_importance_sampling_mode",
@@ -140,3 +160,22 @@ def test_reward_timeout_is_finite_by_default():
     assert timeout is not None and 60 <= timeout <= 3600
     assert "default" in AsyncSection.model_fields["reward_timeout"].description
     assert load_config(None, ["async.reward_timeout=null"]).async_.reward_timeout is None  # waiting forever: explicit
+
+
+def test_async_vllm_server_mode_loads_and_selects_the_server_engine(tmp_path, monkeypatch):
+    """Async with vLLM in server mode is the supported GPU combination: it loads (vllm faked installed: CPU machines
+    never install it), the trainer picks the vLLM server engine, and TRL's own vLLM path stays off (the engine owns
+    the client and the weight syncs). Without async, use_vllm goes to TRL unchanged."""
+    import importlib.util
+
+    from grpo.training.rollout_engines import engine_kind
+    from grpo.training.train import grpo_args
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    cfg = load_config(None, ["async.use_data_producer=true", "async.async_prefetch=true", "grpo.use_vllm=true",
+                             "grpo.vllm_mode=server", "async.vllm_importance_sampling_correction=true"])
+    assert engine_kind(cfg) == "vllm_server"
+    assert grpo_args(cfg, tmp_path).use_vllm is False
+    assert engine_kind(load_config(None, ["async.use_data_producer=true"])) == "cpu_process"
+    assert engine_kind(load_config(None, ["grpo.use_vllm=true", "grpo.vllm_mode=server"])) is None

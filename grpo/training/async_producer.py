@@ -5,7 +5,9 @@ completions of rounds ``r+1 .. r+prefetch_depth``. Weights are pushed to it ever
 steps (the name axolotl uses for the same knob with vLLM); every rollout carries the policy version (optimizer step)
 whose weights produced it, and the trainer refuses rollouts more than ``max_staleness`` versions old: they are
 dropped, counted, and generated again with current weights. On GPUs the same role is played by TRL's vLLM
-generation (``grpo.use_vllm``), whose weight sync and importance-sampling correction TRL provides.
+generation: ``grpo.use_vllm`` with ``grpo.vllm_mode: server`` selects
+:class:`~grpo.training.rollout_engines.VLLMServerEngine` (TRL's vLLM client) behind the same interface
+(:class:`~grpo.training.rollout_engines.RolloutEngine`); this module is the CPU process engine.
 """
 
 from __future__ import annotations
@@ -41,6 +43,18 @@ def _serialize_state(state_dict: dict) -> bytes:
 # weight sync sends only the adapter (peft's get/set_peft_model_state_dict): small, and the generator computes exactly
 # the trainer's function (unmerged, so no rounding from merging the adapter into the base).
 ADAPTER_FILE = "adapter.safetensors"
+
+
+def generator_weights(model) -> dict:
+    """What a weight sync sends the generator process: the whole state dict of the (unwrapped) policy, or with
+    ``model.lora`` the adapter's (``peft.get_peft_model_state_dict``; the base never changes)."""
+    from accelerate.utils import is_peft_model
+
+    if is_peft_model(model):
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(model)
+    return model.state_dict()
 
 
 def base_weights(peft_model) -> dict:
@@ -155,6 +169,11 @@ class AsyncRolloutProducer:
         """New weights for the generator (returns at once); requests queued before this run with the older version."""
         self._outbox.put(("weights", version, _serialize_state(state_dict)))
 
+    def sync_weights(self, version: int, model) -> None:
+        """:class:`~grpo.training.rollout_engines.RolloutEngine`'s weight sync: the policy's weights (the adapter's
+        with ``model.lora``), serialised now, sent behind the requests already queued."""
+        self.push_weights(version, generator_weights(model))
+
     @property
     def in_flight(self) -> int:
         return len(self._pending)
@@ -202,4 +221,4 @@ def producer_threads() -> int:
     return max(1, (os.cpu_count() or 2) // 2)
 
 
-__all__ = ["AsyncRolloutProducer", "Rollout", "producer_threads"]
+__all__ = ["AsyncRolloutProducer", "Rollout", "generator_weights", "producer_threads"]

@@ -1,8 +1,11 @@
 """Async rollouts (``async.use_data_producer``, ``async.async_prefetch``, ``async.max_staleness``,
-``async.prefetch_depth``, ``async.vllm_sync_interval``): the trainer side of the CPU generator process.
+``async.prefetch_depth``, ``async.vllm_sync_interval``): the trainer side of the rollout engine.
 
-Completions for a round come from :class:`~grpo.training.async_producer.AsyncRolloutProducer` (a separate process
-holding a copy of the policy); with prefetch, future rounds are submitted ahead so generation overlaps training.
+Completions for a round come from a :class:`~grpo.training.rollout_engines.RolloutEngine`: the CPU generator process
+(:class:`~grpo.training.async_producer.AsyncRolloutProducer`, a separate process holding a copy of the policy) or,
+with ``grpo.use_vllm`` in server mode, a vLLM server through TRL's client
+(:class:`~grpo.training.rollout_engines.VLLMServerEngine`); this code is the same for both. With prefetch, future
+rounds are submitted ahead so generation overlaps training.
 Each rollout carries the policy version it was sampled with; one older than ``max_staleness`` optimizer steps is
 dropped and generated again with current weights (never trained on). Weights are pushed every
 ``vllm_sync_interval`` steps (:class:`_WeightSync`) and whenever a round must be generated now.
@@ -25,7 +28,7 @@ class AsyncRollouts:
 
     def _init_async_rollouts(self) -> None:
         a = self.experiment.async_ if self.experiment is not None else None
-        self._producer = None  # the CPU generator process, started below (see _start_producer)
+        self._producer = None  # the rollout engine (RolloutEngine), started below (see _start_producer)
         self._async = bool(a and (a.use_data_producer or a.async_prefetch))
         self._round_prompts: list[list[int]] | None = None
         self._submitted: set[int] = set()
@@ -68,8 +71,14 @@ class AsyncRollouts:
         return self._round_prompts[round_id]
 
     def _start_producer(self) -> None:
-        """Spawn the generator process. Called at construction, so its start-up (imports, model load) overlaps the
-        rest of set-up; its first round is generated with weights pushed at that moment (see _async_rollouts)."""
+        """Start the rollout engine. Called at construction, so its start-up (imports, model load, the server
+        connection) overlaps the rest of set-up; its first round is generated with weights pushed at that moment
+        (see _async_rollouts)."""
+        from grpo.training.rollout_engines import engine_kind
+
+        if engine_kind(self.experiment) == "vllm_server":
+            self._start_vllm_engine()
+            return
         from grpo.training.async_producer import AsyncRolloutProducer, producer_threads
 
         from safetensors.torch import save_file
@@ -100,15 +109,30 @@ class AsyncRollouts:
         self._producer = AsyncRolloutProducer(str(init_dir), gen, seed=self.args.seed + self.accelerator.process_index,
                                               threads=producer_threads(), lora=lora)
 
-    def _generator_weights(self) -> dict:
-        """What a weight sync sends the generator: the whole state dict, or with ``model.lora`` the adapter's
-        (``peft.get_peft_model_state_dict``; the base never changes)."""
-        model = self.accelerator.unwrap_model(self.model)
-        if is_peft_model(model):
-            from peft import get_peft_model_state_dict
+    def _start_vllm_engine(self) -> None:
+        """Connect TRL's vLLM client to the server (``grpo.vllm_server_host``/``port``, TRL's ``vllm_server_*``
+        arguments) with the trainer's sampling settings."""
+        from grpo.training.rollout_engines import VLLMServerEngine
 
-            return get_peft_model_state_dict(model)
-        return model.state_dict()
+        a, g = self.args, self.experiment.grpo
+        sampling = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                    "min_p": 0.0 if self.min_p is None else self.min_p, "repetition_penalty": self.repetition_penalty,
+                    "max_tokens": self.max_completion_length, "generation_kwargs": a.generation_kwargs or {}}
+        self._producer = VLLMServerEngine.connect(
+            host=g.vllm_server_host, port=g.vllm_server_port, base_url=a.vllm_server_base_url,
+            group_port=a.vllm_group_port, timeout=a.vllm_server_timeout, sampling=sampling,
+            num_generations=self.num_generations, device=self.accelerator.device)
+
+    def _generator_weights(self) -> dict:
+        """What a weight sync sends the CPU generator process: the whole state dict, or with ``model.lora`` the
+        adapter's (``peft.get_peft_model_state_dict``; the base never changes)."""
+        from grpo.training.async_producer import generator_weights
+
+        return generator_weights(self.accelerator.unwrap_model(self.model))
+
+    def _sync_engine(self) -> None:
+        """The current policy to the rollout engine, tagged with the optimizer step."""
+        self._producer.sync_weights(self.state.global_step, self.accelerator.unwrap_model(self.model))
 
     def _async_rollouts(self, prompt_ids: list[list[int]]):
         a = self.experiment.async_
@@ -130,7 +154,7 @@ class AsyncRollouts:
                 candidate = None
             rollout = candidate
         if rollout is None:
-            producer.push_weights(self.state.global_step, self._generator_weights())
+            self._sync_engine()
             producer.submit(-1 - round_id, [list(p) for p in prompt_ids])
             rollout = producer.get(-1 - round_id)
         waited = time.perf_counter() - now
@@ -160,7 +184,7 @@ class AsyncRollouts:
 
 
 class _WeightSync(TrainerCallback):
-    """Push the trainer's weights to the generator every ``async.vllm_sync_interval`` optimizer steps."""
+    """Push the trainer's weights to the rollout engine every ``async.vllm_sync_interval`` optimizer steps."""
 
     def __init__(self, trainer: AsyncRollouts) -> None:
         self.trainer = trainer
@@ -168,4 +192,4 @@ class _WeightSync(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
         if t._producer is not None and state.global_step % t.experiment.async_.vllm_sync_interval == 0:
-            t._producer.push_weights(state.global_step, t._generator_weights())
+            t._sync_engine()

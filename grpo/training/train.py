@@ -43,6 +43,12 @@ def grpo_args(cfg: ExperimentConfig, output_dir: Path, use_cpu: bool = True):
         use_bias_correction_kl=cfg.async_.use_bias_correction_kl,
     )
     kwargs.update(g.extra)
+    from grpo.training.rollout_engines import engine_kind
+
+    if engine_kind(cfg) == "vllm_server":
+        # Async rollouts from the vLLM server: the platform's engine owns TRL's client and the server's weight-sync
+        # group (grpo/training/rollout_engines.py); TRL's own vLLM path (a second client, a sync every step) stays off.
+        kwargs["use_vllm"] = False
     return GRPOConfig(**kwargs)
 
 
