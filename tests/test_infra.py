@@ -544,6 +544,8 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.on("pageerror", lambda err: errors.append(str(err)))
             page.goto(f"{ui}/deployments/deployment/{deployment_id}/run", wait_until="networkidle")
+            # the form renders once the deployment has loaded, which a busy shared server can delay
+            expect(page.locator(".schema-form-property__label")).to_have_count(21, timeout=120_000)
             labels = [t.removesuffix(" (Optional)") for t in
                       page.locator(".schema-form-property__label").all_inner_texts()]
             assert labels[:10] == ["Preset", "Learning rate", "Training steps",
