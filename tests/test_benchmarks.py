@@ -50,7 +50,8 @@ def _balance(r: dict) -> None:
 def _chunked_backward(r: dict) -> None:
     assert _finite(r["max_relative_gradient_difference"], 0, 1e-4), r["max_relative_gradient_difference"]
     assert _finite(r["step_peak_mb_unchunked"], 0) and _finite(r["step_peak_mb_chunked"], 0)
-    assert r["peak_ratio_chunked_over_unchunked"] is None or _finite(r["peak_ratio_chunked_over_unchunked"], 1e-3)
+    # smoke sizes are tiny: the chunked step may grow the RSS by nothing measurable (ratio 0.0)
+    assert r["peak_ratio_chunked_over_unchunked"] is None or _finite(r["peak_ratio_chunked_over_unchunked"], 0.0)
 
 
 def _plan(r: dict) -> None:
