@@ -23,6 +23,7 @@ plain, and a call from code passes ``config=`` as before.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Annotated, Any
 
 from fastapi.encoders import ENCODERS_BY_TYPE
@@ -57,7 +58,10 @@ COMMON_FIELDS: dict[str, tuple[str, str]] = {
 _EMPTY_MEANS_PRESET = "Empty: the preset's value."
 
 
+@functools.cache
 def _config_schema() -> dict[str, Any]:
+    """The config's JSON schema, built once per process (the form's 15 annotations read it at import; callers copy
+    before changing anything)."""
     return ExperimentConfig.model_json_schema(by_alias=True)
 
 
@@ -120,8 +124,9 @@ def _distinct_titles(properties: dict[str, Any], parent: str, seen: dict[str, in
             _distinct_titles(prop["properties"], title, seen)
 
 
+@functools.cache
 def section_schemas() -> dict[str, dict[str, Any]]:
-    """The JSON schema of each section parameter (see :data:`SECTIONS`)."""
+    """The JSON schema of each section parameter (see :data:`SECTIONS`), built once per process; read-only."""
     full = _config_schema()
     defs = full.get("$defs", {})
     properties = _inline(full["properties"], defs)
