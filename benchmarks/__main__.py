@@ -31,10 +31,17 @@ def main(argv: list[str]) -> int:
         return 2
     name = args[0]
     module = importlib.import_module(f"benchmarks.{name}")
+    from grpo.console import quiet_library_noise
+
+    quiet_library_noise()  # the console's filters: no per-file load bars or harmless library warnings in the output
     if smoke and "smoke" not in inspect.signature(module.main).parameters:
         print(f"benchmark {name} has no smoke mode: give it main(smoke: bool = False)", file=sys.stderr)
         return 2
-    result = module.main(smoke=True) if smoke else module.main()
+    try:
+        result = module.main(smoke=True) if smoke else module.main()
+    except ValueError as e:  # a bad BENCH_* value: one line, no traceback
+        print(f"benchmark {name}: {e}", file=sys.stderr)
+        return 2
     print(json.dumps({"benchmark": name, **result, "smoke": smoke}, sort_keys=True))
     return 0
 

@@ -47,11 +47,13 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
-    """Where prompts and answers come from. ``synthetic:addition`` is generated locally (no download)."""
+    """Where prompts and answers come from. ``synthetic:*`` tasks are generated locally (no download)."""
 
     source: str = Field(
         "synthetic:addition",
-        description="'synthetic:addition', a local .jsonl/.json/.parquet/.csv file, or 'hub:DATASET_ID' (downloads).",
+        description="'synthetic:addition' (answers are the sum), 'synthetic:addition_cot' (answers show the "
+        "column-by-column work, ~17 tokens: a reasoning-style, generation-heavy task), a local "
+        ".jsonl/.json/.parquet/.csv file, or 'hub:DATASET_ID' (downloads).",
     )
     hub_config: str | None = Field(None, description="Dataset config name for hub sources (e.g. 'main' for GSM8K).")
     train_split: str = Field("train", description="Split used for training (hub sources).")
@@ -81,8 +83,11 @@ class DataConfig(_Section):
     def _source_exists(self) -> DataConfig:
         s = self.source
         if s.startswith("synthetic:"):
-            if s != "synthetic:addition":
-                raise ValueError(f"source: unknown synthetic task {s!r}; valid: 'synthetic:addition'")
+            from grpo.tasks import TASKS
+
+            if s.removeprefix("synthetic:") not in TASKS:
+                valid = ", ".join(f"'synthetic:{t}'" for t in TASKS)
+                raise ValueError(f"source: unknown synthetic task {s!r}; valid: {valid}")
         elif s.startswith("hub:"):
             if len(s) <= 4:
                 raise ValueError("source: 'hub:' needs a dataset id, e.g. 'hub:openai/gsm8k'")
@@ -90,8 +95,8 @@ class DataConfig(_Section):
             path = Path(s)
             if path.suffix not in {".jsonl", ".json", ".parquet", ".csv"}:
                 raise ValueError(
-                    f"source: {s!r} is not a valid source; valid are 'synthetic:addition', 'hub:<id>' "
-                    "or a .jsonl/.json/.parquet/.csv file"
+                    f"source: {s!r} is not a valid source; valid are 'synthetic:addition', 'synthetic:addition_cot', "
+                    "'hub:<id>' or a .jsonl/.json/.parquet/.csv file"
                 )
             if not path.is_file():
                 raise ValueError(f"source: file does not exist: {s}")
@@ -105,6 +110,11 @@ class DataConfig(_Section):
     @property
     def synthetic(self) -> bool:
         return self.source.startswith("synthetic:")
+
+    @property
+    def worked_answers(self) -> bool:
+        """``synthetic:addition_cot``: answers show their work."""
+        return self.source == "synthetic:addition_cot"
 
 
 class TinyModelConfig(_Section):
@@ -444,6 +454,10 @@ class AsyncSection(_Section):
     vllm_sync_interval: int = Field(1, ge=1)
     """Push the trainer's weights to the generator every N optimizer steps."""
     max_staleness: int = Field(1, ge=0, description="Rollouts older than this many policy versions are regenerated.")
+    generator_threads: int | None = Field(
+        None, ge=1, description="CPU generator process (async without vLLM): the cores it computes on; the trainer "
+        "process then uses the other cores' worth of intra-op threads for the run, so the two never compete for a "
+        "core. Unset: half the cores available to the process.")
     streaming_partial_batch: bool = Field(
         False, description="Score prompt groups in a background thread while the log-prob passes run."
     )

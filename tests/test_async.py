@@ -45,6 +45,20 @@ def test_prefetched_rollouts_are_one_version_old_and_logged(tmp_path):
     assert sum(r.get("async/dropped_stale", 0) for r in rows) == 0
 
 
+def test_the_generator_and_the_trainer_split_the_cores_and_the_trainer_gets_its_threads_back(tmp_path):
+    """A trainer thread sharing a core with the busy generator stalls torch's whole intra-op pool, so while the
+    generator runs the trainer computes on the other cores only; its thread count comes back when training ends."""
+    import torch
+
+    from grpo.training.async_producer import available_cores
+
+    before = torch.get_num_threads()
+    _, _, rows = async_run(tmp_path, "split", **{"async.generator_threads": 1})
+    threads = {r["async/trainer_threads"] for r in rows if "async/trainer_threads" in r}
+    assert threads == {float(max(1, min(before, available_cores() - 1)))}, (threads, before, available_cores())
+    assert torch.get_num_threads() == before
+
+
 def test_rollouts_older_than_max_staleness_are_dropped_and_regenerated(tmp_path):
     # The config refuses max_staleness 0 with prefetch (vllm_sync_interval 1 > 0: every prefetched round would be
     # dropped, see tests/test_config_combinations.py); set after load, it shows the drop itself works.

@@ -11,11 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from grpo.config import load_config
-from grpo.errors import DataError
+from grpo.errors import ConfigError, DataError
 from grpo.pipeline.cache_dirs import prep_dir_for
 from grpo.pipeline.data import load_data
 from grpo.pipeline.prep import load_prepared
-from grpo.tasks import addition_problems, flawed_addition_demonstrations
+from grpo.tasks import addition_problems, flawed_addition_demonstrations, worked_addition
 from grpo.training.tiny_model import alphabet_of
 
 
@@ -45,6 +45,51 @@ def test_flawed_demonstrations_only_touch_carrying_problems():
             assert carry and int(demo) == int(good) - 10
     assert 0.5 < changed / carries < 0.7
     assert flawed_addition_demonstrations(prompts, answers, 0.0) == answers
+
+
+def _check_work(prompt: str, work: str) -> int:
+    """Re-derive a worked answer column by column; returns the carry it forgot (0 or 1) into the tens."""
+    x, y = prompt.rstrip("=").split("+")
+    *steps, result = work.split(";")
+    assert len(steps) == len(x)
+    carry, forgot = 0, 0
+    for i, step in enumerate(steps):
+        lhs, s = step.split("=")
+        terms = [int(t) for t in lhs.split("+")]
+        assert terms[:2] == [int(x[-1 - i]), int(y[-1 - i])] and sum(terms) == int(s)
+        if i == 1 and carry and len(terms) == 2:
+            forgot = 1
+        else:
+            assert terms[2:] == ([1] if carry else [])
+        carry = int(s) // 10
+    assert int(result) == int(x) + int(y) - 10 * forgot
+    return forgot
+
+
+def test_addition_cot_answers_show_correct_work_and_flawed_demonstrations_forget_one_carry():
+    """``synthetic:addition_cot``: the answer is the column-by-column work then the sum, ~17 tokens; a flawed
+    demonstration shows work that drops the carry out of the ones column, consistently with its result."""
+    assert worked_addition(27, 15, 2) == "7+5=12;2+1+1=4;42"
+    assert worked_addition(99, 99, 2) == "9+9=18;9+9+1=19;198"
+    assert worked_addition(27, 15, 2, forget_first_carry=True) == "7+5=12;2+1=3;32"
+    ds = addition_problems(2000, 50, seed=0, worked=True)
+    plain = addition_problems(2000, 50, seed=0)
+    assert ds["train"]["prompt"] == plain["train"]["prompt"]  # the same problems, answered with their work
+    prompts, answers = list(ds["train"]["prompt"]), list(ds["train"]["answer"])
+    assert all(_check_work(p, a) == 0 for p, a in zip(prompts, answers))
+    assert [a.split(";")[-1] for a in answers] == list(plain["train"]["answer"])
+    assert 14 <= sum(map(len, answers)) / len(answers) <= 19
+    flawed = flawed_addition_demonstrations(prompts, answers, 0.6, seed=0, worked=True)
+    forgot = [_check_work(p, demo) for p, demo in zip(prompts, flawed)]
+    assert forgot == [int(demo != good) for demo, good in zip(flawed, answers)]
+    carries = sum(int(p[1]) + int(p[4]) >= 10 for p in prompts)
+    assert 0.5 < sum(forgot) / carries < 0.7
+    assert alphabet_of(ds) == "+0123456789;="
+    cfg = load_config("tiny", ["data.source=synthetic:addition_cot", "grpo.max_completion_length=20"])
+    assert cfg.data.worked_answers and not load_config("tiny").data.worked_answers
+    with pytest.raises(ConfigError, match=r"unknown synthetic task 'synthetic:subtraction'; valid: "
+                                          r"'synthetic:addition', 'synthetic:addition_cot'"):
+        load_config("tiny", ["data.source=synthetic:subtraction"])
 
 
 def test_local_jsonl_with_column_mapping_and_answer_regex(tmp_path):

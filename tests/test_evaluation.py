@@ -59,3 +59,29 @@ def test_pass_at_k_counts_prompts_with_any_correct_sample(policy):
     assert calls == [len(PROMPTS), len(PROMPTS) * k]
     assert result.accuracy == 0.0 and result.pass_at_k == pytest.approx(3 / 6) and result.k == k
     assert result.as_metrics() == {"eval/accuracy": 0.0, f"eval/pass@{k}": pytest.approx(0.5)}
+
+
+def test_generation_uses_the_kv_cache_though_the_trained_config_turns_it_off(policy):
+    """transformers' Trainer sets ``config.use_cache = False`` for training, and the policy (evaluated in process, or
+    copied to the async generator and saved) carries that flag. Evaluation and the generator pass ``use_cache=True``:
+    after the prompt, every forward of the decoding loop takes one new token, not the whole sequence again (which
+    made the generator 2-9x slower)."""
+    from grpo.training.async_producer import sample_round
+
+    model, tokenizer = policy
+    model.config.use_cache = model.generation_config.use_cache = False
+    widths: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _m, _a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        generate_completions(model, tokenizer, PROMPTS[:2], 4, 2, do_sample=False)
+        assert widths[0] == 6 and len(widths) > 1 and set(widths[1:]) == {1}, widths  # the prompt once, then 1 token
+        widths.clear()
+        ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:2]]
+        gen = {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "pad_token_id": tokenizer.pad_token_id,
+               "eos_token_ids": [-1]}  # never ends early: 4 tokens each
+        completions, logps = sample_round(model, ids, gen)
+        assert widths == [6, 1, 1, 1], widths
+        assert [len(c) for c in completions] == [4, 4] and [len(lp) for lp in logps] == [4, 4]
+    finally:
+        hook.remove()
+        model.config.use_cache = model.generation_config.use_cache = True

@@ -49,6 +49,8 @@ def test_default_task_mean_reward_rises(tmp_path):
     on_disk = json.loads(run.summary_file.read_text())
     assert on_disk["eval_accuracy_after"] == summary["eval_accuracy_after"]
     assert (run.model_dir / "config.json").is_file() and run.config_file.is_file()
+    # Saved for generation: the KV cache on (transformers' Trainer turned it off for training)
+    assert json.loads((run.model_dir / "config.json").read_text())["use_cache"] is True
 
 
 def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path, prefect_server, mlflow_server):

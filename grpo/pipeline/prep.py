@@ -301,7 +301,7 @@ def _source_splits(cfg: DataConfig) -> dict[str, list[dict[str, Any]]]:
 def _synthetic(cfg: DataConfig) -> DatasetDict:
     from grpo.tasks import addition_problems
 
-    return addition_problems(cfg.num_train, cfg.num_eval, cfg.max_operand, cfg.seed)
+    return addition_problems(cfg.num_train, cfg.num_eval, cfg.max_operand, cfg.seed, worked=cfg.worked_answers)
 
 
 def _from_splits(cfg: DataConfig, splits: dict[str, list[dict[str, Any]]]) -> _Raw:

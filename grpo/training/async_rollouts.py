@@ -29,6 +29,7 @@ class AsyncRollouts:
     def _init_async_rollouts(self) -> None:
         a = self.experiment.async_ if self.experiment is not None else None
         self._producer = None  # the rollout engine (RolloutEngine), started below (see _start_producer)
+        self._threads_before: int | None = None  # the trainer's intra-op threads before the generator took its cores
         self._async = bool(a and (a.use_data_producer or a.async_prefetch))
         self._round_prompts: list[list[int]] | None = None
         self._submitted: set[int] = set()
@@ -79,7 +80,9 @@ class AsyncRollouts:
         if engine_kind(self.experiment) == "vllm_server":
             self._start_vllm_engine()
             return
-        from grpo.training.async_producer import AsyncRolloutProducer, producer_threads
+        import torch
+
+        from grpo.training.async_producer import AsyncRolloutProducer, producer_threads, trainer_threads
 
         from safetensors.torch import save_file
 
@@ -104,10 +107,13 @@ class AsyncRollouts:
         gc = self.generation_config
         gen = {"max_new_tokens": self.max_completion_length, "temperature": gc.temperature, "top_p": gc.top_p,
                "top_k": gc.top_k, "pad_token_id": self._tokenizer.pad_token_id, "eos_token_ids": list(self.eos_token_ids)}
-        # The trainer keeps all its intra-op threads: the generator is idle most of a step, and measured on 2 cores
-        # (150 steps of the tiny preset) a trainer cut to 1 thread was 1.23x slower than one sharing the cores.
+        # The generator gets async.generator_threads cores, the trainer the rest (see trainer_threads: sharing a core
+        # stalls the trainer's whole intra-op pool); restored when the producer closes.
+        threads = self.experiment.async_.generator_threads or producer_threads()
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(trainer_threads(threads, self._threads_before))
         self._producer = AsyncRolloutProducer(str(init_dir), gen, seed=self.args.seed + self.accelerator.process_index,
-                                              threads=producer_threads(), lora=lora)
+                                              threads=threads, lora=lora)
 
     def _start_vllm_engine(self) -> None:
         """Connect TRL's vLLM client to the server (``grpo.vllm_server_host``/``port``, TRL's ``vllm_server_*``
@@ -174,6 +180,10 @@ class AsyncRollouts:
         self._record("async/queue_wait_s", waited)
         self._record("async/generate_s", rollout.generate_seconds)
         self._record("async/train_s", train_s)
+        if self._threads_before:  # the CPU engine's core split (see _start_producer)
+            import torch
+
+            self._record("async/trainer_threads", float(torch.get_num_threads()))
         self._last_round_end = time.perf_counter()
         return rollout.completion_ids, rollout.logprobs
 
@@ -181,6 +191,11 @@ class AsyncRollouts:
         if self._producer is not None:
             self._producer.close(wait=wait)
             self._producer = None
+        if self._threads_before:
+            import torch
+
+            torch.set_num_threads(self._threads_before)  # the trainer's share of the cores ends with the generator
+            self._threads_before = None
 
 
 class _WeightSync(TrainerCallback):

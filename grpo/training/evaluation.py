@@ -63,6 +63,7 @@ def generate_completions(
                 num_return_sequences=num_return_sequences,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
+                use_cache=True,  # a trained policy's config says false (transformers' Trainer turns it off)
             )
             texts = tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             for i in range(len(batch)):

@@ -149,7 +149,8 @@ def warm_start_pairs(data: DatasetDict, cfg: ExperimentConfig, tokenizer: PreTra
     prompts, answers = prompt_texts(data["train"]["prompt"], tokenizer), list(data["train"]["answer"])
     rate = cfg.model.warm_start.carry_error_rate
     if rate > 0 and cfg.data.synthetic:  # the tiny task's knob; other data is demonstrated as given
-        answers = flawed_addition_demonstrations(prompts, answers, rate, seed=cfg.data.seed)
+        answers = flawed_addition_demonstrations(prompts, answers, rate, seed=cfg.data.seed,
+                                                  worked=cfg.data.worked_answers)
     return prompts, answers
 
 

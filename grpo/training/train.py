@@ -193,6 +193,9 @@ def _train(cfg, policy, train_dataset, run, resume, plan_path, callbacks, echo) 
     seconds = time.perf_counter() - start
     if cfg.model.lora.enabled:  # model/ then holds the adapter (TRL's PeftModel saves only it), naming its base
         name_adapter_base(trainer.accelerator.unwrap_model(trainer.model), policy.source)
+    # transformers' Trainer set use_cache false for training; the saved policy is for generation, where the KV cache
+    # is what a user of from_pretrained + generate expects (without it every token re-runs the whole sequence).
+    trainer.accelerator.unwrap_model(trainer.model).config.use_cache = True
     trainer.save_model(str(run.model_dir))
     policy.tokenizer.save_pretrained(run.model_dir)
     if cfg.model.lora.enabled and cfg.model.lora.save_merged and trainer.accelerator.is_main_process:
