@@ -42,6 +42,7 @@ OPTIONS: dict[str, list[Any]] = {
     "reroll": [False, True],
     "skip": [False, True],
     "compact": [False, True],  # async.compact_zero_advantage (on by default; the matrix's plain row has it off)
+    "shared_prompt": [False, True],  # async.shared_prompt_forward (likewise)
     "chunks": [1, 2, 4],
     "balancing": [False, True],
     "streaming": [False, True],
@@ -98,6 +99,8 @@ def neutral_options(row: Row, world: int) -> list[str]:
         out.append("streaming")
     if row["compact"]:  # exact where it compacts, the full batch where it falls back (beta > 0, entropy options)
         out.append("compact")
+    if row["shared_prompt"]:
+        out.append("shared_prompt")
     # Moving groups between ranks changes the maths where a rank's own batch is a normaliser: bnpo divides by the
     # rank's token count, top_entropy_quantile takes its threshold over the rank's micro-batch (TRL's semantics).
     # Balancing is exact per generation round: when one optimizer step takes only part of a round's micro-batches
@@ -109,7 +112,7 @@ def neutral_options(row: Row, world: int) -> list[str]:
     return out
 
 
-_OFF = {"chunks": 1, "skip": False, "compact": False, "streaming": False, "balancing": False}
+_OFF = {"chunks": 1, "skip": False, "compact": False, "shared_prompt": False, "streaming": False, "balancing": False}
 
 
 def reference(row: Row, neutral: list[str]) -> Row:
@@ -148,6 +151,7 @@ def config_dict(row: Row, world: int, steps: int, timeout_s: int) -> dict:
         "reroll_start_fraction": 0.0 if row["reroll"] else 1.0,
         "skip_zero_advantage_batches": row["skip"],
         "compact_zero_advantage": row["compact"],
+        "shared_prompt_forward": row["shared_prompt"],
         "streaming_partial_batch": row["streaming"],
         "use_data_producer": row["async"],
         "vllm_importance_sampling_correction": row["is_mode"] != "off",
@@ -173,7 +177,7 @@ PROBES: dict[str, Row] = {
     # model.lora: TRL's peft model under DDP, with the async generator (adapter syncs), IS correction, the KL term
     # against the base with the adapter disabled (beta > 0) and chunks (compared with the unchunked LoRA step)
     "lora_async_kl_chunks": {**BASE, "lora": True, "async": True, "is_mode": "token_truncate", "beta": 0.04,
-                             "chunks": 2, "ga": 2},
+                             "chunks": 2, "ga": 2, "shared_prompt": True},
 }
 
 

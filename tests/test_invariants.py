@@ -130,15 +130,16 @@ def test_compaction_when_a_rank_has_no_signal_keeps_ranks_in_sync(two_processes)
 
 def test_lora_under_ddp_keeps_ranks_identical_with_the_async_generator(two_processes):
     """model.lora on 2 gloo processes: TRL's peft model under DDP with adapter syncs to each rank's generator, the KL
-    term against the base with the adapter disabled, and chunks: every rank holds the same weights after every step,
-    one gradient synchronisation per step, and chunks leave the LoRA step unchanged."""
+    term against the base with the adapter disabled, chunks and the shared-prompt forward (the backbone inside peft
+    and DDP): every rank holds the same weights after every step, one gradient synchronisation per step, and chunks
+    and the shared-prompt forward leave the LoRA step unchanged."""
     plain = _record(two_processes, name_of(BASE))
     record = _record(two_processes, "lora_async_kl_chunks")
     assert record["steps"] == steps_for(PROBES["lora_async_kl_chunks"])
     assert all(len(set(h)) == 1 for h in record["hashes"]), record["hashes"]
     assert len({h[0] for h in record["hashes"]}) == record["steps"]  # the weights moved every step
     assert record["allreduces"] == [plain["allreduces"][0]] * record["steps"]
-    assert record["neutral"] == ["chunks"] and record["neutral_rel"] < REL
+    assert record["neutral"] == ["chunks", "shared_prompt"] and record["neutral_rel"] < REL
 
 
 # ---------------------------------------------------------------------------------------------- the matrix

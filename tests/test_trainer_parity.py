@@ -61,6 +61,8 @@ def test_same_losses_and_weights_as_stock_trl(tmp_path):
         # bit-for-bit equality of the extension points with TRL: compaction changes the float summation order (equal
         # gradients to 1e-5, tests/test_compaction.py and the invariant matrix) and adds its own metrics
         "async.compact_zero_advantage=false",
+        # the same for the shared-prompt forward (tests/test_shared_prompt.py: equal to 1e-5, same samples)
+        "async.shared_prompt_forward=false",
     ])
     data = load_data(cfg)
     policy = load_policy(cfg, data, log=lambda *_: None)

@@ -12,6 +12,8 @@ generation: ``grpo.use_vllm`` with ``grpo.vllm_mode: server`` selects
 
 from __future__ import annotations
 
+import contextlib
+
 import io
 import multiprocessing as mp
 import os
@@ -75,7 +77,10 @@ def sample_round(model, prompt_ids: list[list[int]], gen: dict) -> tuple[list[li
     for i, p in enumerate(prompt_ids):  # left padding, as TRL generates
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    with torch.no_grad():
+    from grpo.training.shared_prompt import shared_prompt_prefill
+
+    share = shared_prompt_prefill(model) if gen.get("shared_prompt", True) else contextlib.nullcontext()
+    with torch.no_grad(), share:  # each distinct prompt prefilled once (async.shared_prompt_forward)
         out = model.generate(
             input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=gen["max_new_tokens"],
             temperature=gen["temperature"], top_p=gen["top_p"], top_k=gen["top_k"] or None,
@@ -140,7 +145,7 @@ def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int, lora=None)
 # ran a kernel; each generator loads its own weights. A generator whose trainer dies sees its pipe close and exits.
 _PRELOAD = ["torch", "transformers", "transformers.models.auto.modeling_auto", "transformers.modeling_utils",
             "transformers.generation.utils", "transformers.models.llama.modeling_llama",
-            "transformers.models.qwen2.modeling_qwen2"]
+            "transformers.models.qwen2.modeling_qwen2", "grpo.training.shared_prompt"]
 
 
 def _generator_context() -> mp.context.BaseContext:

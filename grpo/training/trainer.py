@@ -18,6 +18,7 @@ Each platform feature is one mixin module named after its config section, compos
 ``sampling.seqlen_balancing``           :mod:`grpo.training.seqlen_balancing` (``SeqlenBalancing``)
 ``async.skip_zero_advantage_batches``,  :mod:`grpo.training.zero_advantage` (``ZeroAdvantageSkip``)
 ``async.compact_zero_advantage``
+``async.shared_prompt_forward``         :mod:`grpo.training.shared_prompt` (``SharedPromptForward``)
 ``grpo.num_generations_chunks``         :mod:`grpo.training.chunked_loss` (``ChunkedLoss``)
 =====================================  ==============================================================
 
@@ -46,6 +47,7 @@ from grpo.training.off_policy import OffPolicyCorrection
 from grpo.training.replay import ReplayAndReroll
 from grpo.training.reward_scoring import RewardScoring
 from grpo.training.seqlen_balancing import SeqlenBalancing
+from grpo.training.shared_prompt import SharedPromptForward
 from grpo.training.zero_advantage import ZeroAdvantageSkip
 
 TESTED_TRL_VERSION = "1.16.0"
@@ -57,18 +59,22 @@ TRL_HOOKS: dict[str, str] = {
     "_get_train_sampler": "the sampler plan (plan.parquet) or the sequence-parallel repeat sampler",
     "get_train_dataloader": "keeps accelerate from sharding the rank-aware sampler's batches a second time",
     "_prepare_inputs": "TRL's schedule split in two: assemble a generation batch (re-rolls, replay, off-policy), then split it (balancing)",
-    "_generate_single_turn": "async rollouts: completions produced ahead by the producer thread",
+    "_generate_single_turn": "async rollouts: completions produced ahead by the producer thread; in-process generate "
+                            "prefills each distinct prompt once (async.shared_prompt_forward)",
     "_generate": "starts streaming reward scoring while the log-prob passes run",
     "_calculate_rewards": "the persistent reward pool / streamed rewards instead of in-process calls",
     "_compute_loss": "zero-advantage skip, balanced micro-batch weights and chunked backward; IS weights from the training forward",
-    "_get_per_token_logps_and_entropies": "hands the training forward's log-probs to the deferred IS correction",
+    "_get_per_token_logps_and_entropies": "hands the training forward's log-probs to the deferred IS correction; runs "
+                                          "each group's prompt once (async.shared_prompt_forward)",
     "get_high_entropy_mask": "the entropy quantile over chunks, equal to the unchunked mask",
 }
 
 
 
 class GRPOTrainer(AsyncRollouts, RewardScoring, ReplayAndReroll, SeqlenBalancing, ZeroAdvantageSkip, ChunkedLoss,
-                  OffPolicyCorrection, trl.GRPOTrainer):  # OffPolicyCorrection last: every loss call passes through it
+                  OffPolicyCorrection, SharedPromptForward, trl.GRPOTrainer):
+    # OffPolicyCorrection after the others: every loss call passes through it; SharedPromptForward next to TRL: it
+    # changes only how TRL's log-prob forward runs the model
     """TRL's GRPO trainer with extension points; see the module docstring."""
 
     def __init__(

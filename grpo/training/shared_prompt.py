@@ -1,0 +1,215 @@
+"""``async.shared_prompt_forward``: the prompt's forward runs once per group, not once per completion, in the
+log-prob forward (training and the old/IS log-probs) and in generation's prefill.
+
+GRPO samples ``num_generations`` completions of every prompt, and TRL's log-prob forward runs prompt + completion for
+each of them, so a group's prompt goes through the model ``num_generations`` times with identical results. Here the
+backbone runs each distinct prompt once (keeping its keys/values), the cache is indexed out to the rows that share the
+prompt, and the completions run on top of it (the shared-prefix forward of Prefix Grouper, arXiv 2506.05433). The
+prompt's activations get the sum of their completions' gradients, exactly as with the repeated forward.
+
+It is exact: positions, padding and the attention mask are TRL's (the prompt width of the batch, left padding, the
+completions continuing at the same positions), and TRL's own fused LM head scores the result, so log-probs, entropies
+and gradients equal the repeated forward's up to float summation order (tests/test_shared_prompt.py, and the
+invariant matrix on 2 processes). On the tiny preset a prompt is ~7 tokens and a completion <= 4, so it removes more
+than half of the training forward/backward's tokens; on long prompts (GSM8K's ~150 tokens vs ~200-token answers)
+the share is the prompt's share of a sequence times (1 - 1/num_generations).
+
+How: the trainer calls ``model(input_ids, attention_mask, labels, fused_lm_head=True)`` through DDP/PEFT wrappers as
+always (one DDP forward), and for that call only the backbone's ``forward`` is swapped for :func:`_shared_forward`,
+which returns the hidden states the LM head scores. Where it does not apply it calls the backbone as TRL does: no
+prompt is repeated in the rows, multimodal or extra model inputs, a MoE aux loss, gradient checkpointing (no cache
+while training), or a backbone that returns no cache; the reason is logged once.
+
+Generation (:func:`shared_prompt_prefill`, TRL's in-process generate and the CPU async generator) does the same for
+the prefill: the distinct prompts fill the cache, which is indexed out to the rows before the first token is sampled;
+the logits are the same, so are the random draws.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+
+_log = logging.getLogger(__name__)
+
+# Keyword arguments TRL's fused forward and PEFT's wrapper pass whatever their value; any other must be None/False.
+_PASSED_THROUGH = {"use_cache", "return_dict"}
+
+
+def _shared_forward(original, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int, **kwargs):
+    """The backbone's output for ``input_ids`` (prompt of ``prompt_width`` columns + completion) with each distinct
+    prompt computed once, and the number of distinct prompts; ``None`` where it does not apply (the caller then runs
+    the full forward)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    if any(v not in (None, False) for k, v in kwargs.items() if k not in _PASSED_THROUGH):
+        return None
+    if not 0 < prompt_width < input_ids.size(1):
+        return None
+    prompts = torch.cat([input_ids[:, :prompt_width], attention_mask[:, :prompt_width]], 1)
+    unique, inverse = torch.unique(prompts, dim=0, return_inverse=True)
+    if unique.size(0) == input_ids.size(0):
+        return None
+    head = original(input_ids=unique[:, :prompt_width], attention_mask=unique[:, prompt_width:], use_cache=True)
+    cache = head.past_key_values
+    if cache is None or not hasattr(cache, "layers"):
+        return None
+    for layer in cache.layers:  # each row gets its prompt's keys/values (differentiable indexing)
+        layer.batch_select_indices(inverse)
+    tail = original(input_ids=input_ids[:, prompt_width:], attention_mask=attention_mask, past_key_values=cache,
+                    use_cache=True)
+    # The LM head scores position t with the hidden state of t - 1: the prompt's last position scores the first
+    # completion token. Earlier prompt positions score nothing (their labels are -100), so they stay zero.
+    hidden = head.last_hidden_state
+    filler = hidden.new_zeros(input_ids.size(0), prompt_width - 1, hidden.size(-1))
+    out = BaseModelOutputWithPast(last_hidden_state=torch.cat([filler, hidden[inverse, -1:], tail.last_hidden_state], 1))
+    return out, unique.size(0)
+
+
+def _shared_prefill(original, input_ids, attention_mask, past_key_values, position_ids=None, **kwargs):
+    """Generation's first forward (the prompts into an empty cache) with each distinct prompt computed once: the
+    cache and the hidden states are indexed out to the rows; ``None`` where it does not apply."""
+    from transformers.cache_utils import DynamicCache
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    if (not isinstance(past_key_values, DynamicCache) or past_key_values.get_seq_length() != 0
+            or (attention_mask is not None and attention_mask.dim() != 2)  # None: no padding anywhere
+            or any(v not in (None, False) for k, v in kwargs.items() if k not in _PASSED_THROUGH)):
+        return None
+    rows = input_ids.size(0)
+    key = [input_ids] if attention_mask is None else [input_ids, attention_mask]
+    if position_ids is not None:
+        if position_ids.dim() != 2 or position_ids.size(0) != rows:
+            return None
+        key.append(position_ids)
+    unique, inverse = torch.unique(torch.cat(key, 1), dim=0, return_inverse=True)
+    if unique.size(0) == rows:
+        return None
+    first = torch.full((unique.size(0),), rows, device=inverse.device).scatter_reduce(
+        0, inverse, torch.arange(rows, device=inverse.device), reduce="amin")
+    out = original(input_ids=input_ids[first], past_key_values=past_key_values,
+                   attention_mask=None if attention_mask is None else attention_mask[first],
+                   position_ids=None if position_ids is None else position_ids[first], **kwargs)
+    for layer in past_key_values.layers:
+        layer.batch_select_indices(inverse)
+    return BaseModelOutputWithPast(last_hidden_state=out.last_hidden_state[inverse], past_key_values=past_key_values)
+
+
+@contextlib.contextmanager
+def shared_prompt_prefill(model):
+    """Inside the block, generation with ``model`` (any wrapper) prefills each distinct prompt once: GRPO asks for
+    ``num_generations`` samples of every prompt, and their prefill is the same computation. Sampling is unchanged
+    (the same logits, the same random draws)."""
+    lm = _causal_lm(model)
+    backbone = getattr(lm, "base_model", None)
+    if backbone is None or backbone is lm:
+        yield
+        return
+    original = backbone.forward
+    patched_before = backbone.__dict__.get("forward")
+
+    def forward(input_ids=None, attention_mask=None, past_key_values=None, **kwargs):
+        out = None
+        if input_ids is not None:
+            out = _shared_prefill(original, input_ids, attention_mask, past_key_values, **kwargs)
+        if out is None:
+            return original(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
+                            **kwargs)
+        return out
+
+    backbone.forward = forward
+    try:
+        yield
+    finally:
+        if patched_before is None:
+            del backbone.forward
+        else:
+            backbone.forward = patched_before
+
+
+def _causal_lm(model) -> Any:
+    """The transformers causal LM under DDP / accelerate / PEFT wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    if hasattr(model, "get_base_model"):  # peft: LoRA layers are in place inside the base model
+        model = model.get_base_model()
+    return model
+
+
+class SharedPromptForward:
+    """Mixin for :class:`grpo.training.trainer.GRPOTrainer`: the log-prob forward shares each group's prompt."""
+
+    def _shared_prompt_unavailable(self, model, kwargs: dict) -> str | None:
+        """Why the shared-prompt forward cannot run for this call, or ``None``."""
+        exp = getattr(self, "experiment", None)
+        if exp is None or not exp.async_.shared_prompt_forward:
+            return "off"
+        if kwargs.get("compute_aux_loss"):
+            return "a MoE router aux loss is computed"
+        if any(v is not None for k, v in kwargs.items() if k not in ("batch_size", "compute_entropy", "compute_aux_loss")):
+            return "the model takes image or token-type inputs"
+        lm = _causal_lm(model)
+        backbone = getattr(lm, "base_model", None)
+        if backbone is None or backbone is lm:
+            return f"{type(lm).__name__} has no separate backbone"
+        if getattr(backbone, "gradient_checkpointing", False) and torch.is_grad_enabled():
+            return "gradient checkpointing keeps no cache while training"
+        return None
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **kwargs):
+        why = self._shared_prompt_unavailable(model, {"compute_aux_loss": compute_aux_loss, **kwargs})
+        if why is None:
+            context = self._sharing_prompts(model, input_ids.size(1) - logits_to_keep)
+        else:
+            if why != "off" and not getattr(self, "_shared_prompt_said", False):
+                _log.info("async.shared_prompt_forward: the full forward runs (%s)", why)
+                self._shared_prompt_said = True
+            context = contextlib.nullcontext()
+        with context:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              batch_size, compute_entropy, compute_aux_loss, **kwargs)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's generation (transformers' generate; vLLM untouched) with each distinct prompt prefilled once."""
+        exp = getattr(self, "experiment", None)
+        share = (exp is not None and exp.async_.shared_prompt_forward and images is None and not multimodal_fields
+                 and not self.use_vllm and not self.use_transformers_continuous_batching)
+        with shared_prompt_prefill(self.model) if share else contextlib.nullcontext():
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+
+    @contextlib.contextmanager
+    def _sharing_prompts(self, model, prompt_width: int):
+        """Swap the backbone's forward for the shared-prompt one for the calls inside the block."""
+        backbone = _causal_lm(model).base_model
+        original = backbone.forward
+        patched_before = backbone.__dict__.get("forward")  # an instance-level forward (e.g. accelerate's hooks)
+        counts = {"rows": 0, "prompts": 0}
+
+        def forward(input_ids=None, attention_mask=None, **kwargs):
+            shared = None
+            if input_ids is not None and attention_mask is not None:
+                shared = _shared_forward(original, input_ids, attention_mask, prompt_width, **kwargs)
+            if shared is None:
+                return original(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            counts["rows"] += input_ids.size(0)
+            counts["prompts"] += shared[1]
+            return shared[0]
+
+        backbone.forward = forward
+        try:
+            yield
+        finally:
+            if patched_before is None:
+                del backbone.forward  # the class's forward again
+            else:
+                backbone.forward = patched_before
+        if counts["rows"] and torch.is_grad_enabled():
+            self._record("shared_prompt/prompt_forwards_frac", counts["prompts"] / counts["rows"])
+
+
+__all__ = ["SharedPromptForward", "shared_prompt_prefill"]
