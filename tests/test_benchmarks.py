@@ -99,6 +99,11 @@ def _time_to_accuracy(r: dict) -> None:
         assert _finite(run["train_s_to_target"], 1e-4) and _finite(run["final_accuracy"], 0, 1), run
     assert r["runs"][0]["compaction_rows_skipped_frac"] is not None  # ours logs compaction; TRL does not
     assert r["runs"][1]["compaction_rows_skipped_frac"] is None
+    # ours runs each group's prompt once: at most one prompt per 8 completions of the rows it computed (None when the
+    # smoke's single step has no signal and compaction leaves no repeated prompt to share)
+    shared = r["runs"][0]["shared_prompt_forwards_frac"]
+    assert shared is None or _finite(shared, 1 / 64, 1 / 8 + 1e-9), r["runs"][0]
+    assert r["runs"][1]["shared_prompt_forwards_frac"] is None
     assert r["ours_steps_to_target"] == r["trl_steps_to_target"] == 1
     assert _finite(r["ratio_time_to_target_ours_over_trl"], 1e-6)
     assert _finite(r["ratio_step_time_ours_over_trl"], 1e-6)

@@ -67,7 +67,9 @@ class AsyncRollouts:
                 idx = next(self._round_iter)
             except StopIteration:
                 return None
-            prompts = [self.train_dataset[i]["prompt"] for i in idx]
+            # One column read for the round (datasets answers a list of indices at once): row by row it cost ~9 ms of
+            # a 0.10 s async step on the tiny preset (256 rows, each a separate Arrow lookup and formatting)
+            prompts = self.train_dataset[list(idx)]["prompt"]
             self._round_prompts.append(self._tokenize_prompts(prompts)[0])
         return self._round_prompts[round_id]
 
