@@ -152,3 +152,27 @@ def test_a_dead_generator_fails_the_trainer_with_a_clear_error(tmp_path):
             trainer.assemble_generation_batch(rows)
     finally:
         trainer.close_producer()
+
+
+def test_future_rounds_are_read_once_in_order_and_a_resumed_run_skips_without_tokenizing(tmp_path, monkeypatch):
+    """The prompts the producer gets ahead of time: the train sampler's rounds in order; asking for round 3 first (a
+    resumed run) reads past rounds 0-2 without tokenizing them, and nothing is kept per round (it grew every step)."""
+    from tests.test_loss_extensions import make_trainer
+
+    trainer = make_trainer(tmp_path, **{"model.warm_start.steps": 0})
+
+    def fresh():
+        trainer._round_iter, trainer._rounds_read = None, 0
+
+    fresh()
+    in_order = [trainer._future_round_prompt_ids(r) for r in range(5)]
+    assert all(in_order) and in_order[0] != in_order[1]
+    fresh()
+    calls = []
+    tokenize = trainer._tokenize_prompts
+    monkeypatch.setattr(trainer, "_tokenize_prompts", lambda prompts: calls.append(len(prompts)) or tokenize(prompts))
+    assert trainer._future_round_prompt_ids(3) == in_order[3]
+    assert len(calls) == 1  # rounds 0-2 were skipped, not tokenized
+    assert trainer._future_round_prompt_ids(2) is None  # already read: generated on demand instead
+    assert trainer._future_round_prompt_ids(4) == in_order[4]
+    assert not [k for k, v in vars(trainer).items() if k.startswith("_round") and isinstance(v, (list, dict))]

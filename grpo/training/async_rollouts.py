@@ -31,7 +31,8 @@ class AsyncRollouts:
         self._producer = None  # the rollout engine (RolloutEngine), started below (see _start_producer)
         self._threads_before: int | None = None  # the trainer's intra-op threads before the generator took its cores
         self._async = bool(a and (a.use_data_producer or a.async_prefetch))
-        self._round_prompts: list[list[int]] | None = None
+        self._round_iter = None  # the rounds' train-sampler indices, read ahead (see _future_round_prompt_ids)
+        self._rounds_read = 0
         self._submitted: set[int] = set()
         self._last_round_end: float | None = None
         if self._async:
@@ -54,24 +55,28 @@ class AsyncRollouts:
         return (self.state.global_step * ga + self._step % ga) // self._micro_steps_per_round
 
     def _future_round_prompt_ids(self, round_id: int) -> list[list[int]] | None:
-        """Prompt token ids of a future round, read from a fresh copy of the (deterministic) train sampler."""
-        if self._round_prompts is None:
+        """Prompt token ids of a future round, read from a fresh copy of the (deterministic) train sampler; ``None``
+        past the end of the data or for a round already read. Rounds are asked for in increasing order, each once
+        (then it is submitted), so nothing is kept: keeping every round grew by a round's token ids per step (~1.4 MB a
+        round of 256 GSM8K-length prompts), and a resumed run skips the rounds before it without tokenizing them."""
+        if self._round_iter is None:
             sampler = self.build_train_sampler(self.train_dataset)
             rows = self.batch_layout.completions_per_rank
             block = rows * self._micro_steps_per_round
             self._round_iter = (list(itertools.islice(it, rows)) for it in iter(
                 lambda s=iter(sampler): list(itertools.islice(s, block)), []))
-            self._round_prompts = []
-        while len(self._round_prompts) <= round_id:
+        if round_id < self._rounds_read:
+            return None
+        idx = None
+        while self._rounds_read <= round_id:
             try:
                 idx = next(self._round_iter)
             except StopIteration:
                 return None
-            # One column read for the round (datasets answers a list of indices at once): row by row it cost ~9 ms of
-            # a 0.10 s async step on the tiny preset (256 rows, each a separate Arrow lookup and formatting)
-            prompts = self.train_dataset[list(idx)]["prompt"]
-            self._round_prompts.append(self._tokenize_prompts(prompts)[0])
-        return self._round_prompts[round_id]
+            self._rounds_read += 1
+        # One column read for the round (datasets answers a list of indices at once): row by row it cost ~9 ms of a
+        # 0.10 s async step on the tiny preset (256 rows, each a separate Arrow lookup and formatting)
+        return self._tokenize_prompts(self.train_dataset[list(idx)]["prompt"])[0]
 
     def _start_producer(self) -> None:
         """Start the rollout engine. Called at construction, so its start-up (imports, model load, the server
