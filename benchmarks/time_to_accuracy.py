@@ -96,6 +96,7 @@ def main(smoke: bool = False) -> dict:
         trainer.add_callback(clock)
         trainer.train()
         reached = next(((s, t) for s, t, a in clock.evals if a >= target), None)
+
         def mean_of(metric: str) -> float | None:
             values = [h[metric] for h in trainer.state.log_history if metric in h]
             return round(statistics.mean(values), 3) if values else None

@@ -81,13 +81,13 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _source_exists(self) -> DataConfig:
-        s = self.source
-        if s.startswith("synthetic:"):
-            from grpo.tasks import TASKS
+        from grpo.tasks import TASKS
 
+        s = self.source
+        synthetic = ", ".join(f"'synthetic:{t}'" for t in TASKS)
+        if s.startswith("synthetic:"):
             if s.removeprefix("synthetic:") not in TASKS:
-                valid = ", ".join(f"'synthetic:{t}'" for t in TASKS)
-                raise ValueError(f"source: unknown synthetic task {s!r}; valid: {valid}")
+                raise ValueError(f"source: unknown synthetic task {s!r}; valid: {synthetic}")
         elif s.startswith("hub:"):
             if len(s) <= 4:
                 raise ValueError("source: 'hub:' needs a dataset id, e.g. 'hub:openai/gsm8k'")
@@ -95,8 +95,8 @@ class DataConfig(_Section):
             path = Path(s)
             if path.suffix not in {".jsonl", ".json", ".parquet", ".csv"}:
                 raise ValueError(
-                    f"source: {s!r} is not a valid source; valid are 'synthetic:addition', 'synthetic:addition_cot', "
-                    "'hub:<id>' or a .jsonl/.json/.parquet/.csv file"
+                    f"source: {s!r} is not a valid source; valid are {synthetic}, 'hub:<id>' or a "
+                    ".jsonl/.json/.parquet/.csv file"
                 )
             if not path.is_file():
                 raise ValueError(f"source: file does not exist: {s}")

@@ -39,21 +39,34 @@ _log = logging.getLogger(__name__)
 _PASSED_THROUGH = {"use_cache", "return_dict"}
 
 
+def _distinct_rows(*columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the rows of ``columns`` side by side: the index of each distinct row's first occurrence (``first``), and
+    for every row the number of its distinct row (``inverse``), so that row ``first[inverse[i]]`` equals row ``i``."""
+    key = torch.cat(columns, 1)
+    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+    rows = torch.arange(key.size(0), device=key.device)
+    first = torch.full((distinct.size(0),), key.size(0), device=key.device).scatter_reduce(0, inverse, rows, "amin")
+    return first, inverse
+
+
+def _only_neutral(kwargs: dict) -> bool:
+    """No keyword argument asks the backbone for more than hidden states and a cache (see ``_PASSED_THROUGH``)."""
+    return all(v in (None, False) for k, v in kwargs.items() if k not in _PASSED_THROUGH)
+
+
 def _shared_forward(original, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int, **kwargs):
     """The backbone's output for ``input_ids`` (prompt of ``prompt_width`` columns + completion) with each distinct
     prompt computed once, and the number of distinct prompts; ``None`` where it does not apply (the caller then runs
     the full forward)."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
-    if any(v not in (None, False) for k, v in kwargs.items() if k not in _PASSED_THROUGH):
+    if not _only_neutral(kwargs) or not 0 < prompt_width < input_ids.size(1):
         return None
-    if not 0 < prompt_width < input_ids.size(1):
+    first, inverse = _distinct_rows(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
+    if first.size(0) == input_ids.size(0):
         return None
-    prompts = torch.cat([input_ids[:, :prompt_width], attention_mask[:, :prompt_width]], 1)
-    unique, inverse = torch.unique(prompts, dim=0, return_inverse=True)
-    if unique.size(0) == input_ids.size(0):
-        return None
-    head = original(input_ids=unique[:, :prompt_width], attention_mask=unique[:, prompt_width:], use_cache=True)
+    head = original(input_ids=input_ids[first, :prompt_width], attention_mask=attention_mask[first, :prompt_width],
+                    use_cache=True)
     cache = head.past_key_values
     if cache is None or not hasattr(cache, "layers"):
         return None
@@ -66,7 +79,7 @@ def _shared_forward(original, input_ids: torch.Tensor, attention_mask: torch.Ten
     hidden = head.last_hidden_state
     filler = hidden.new_zeros(input_ids.size(0), prompt_width - 1, hidden.size(-1))
     out = BaseModelOutputWithPast(last_hidden_state=torch.cat([filler, hidden[inverse, -1:], tail.last_hidden_state], 1))
-    return out, unique.size(0)
+    return out, first.size(0)
 
 
 def _shared_prefill(original, input_ids, attention_mask, past_key_values, position_ids=None, **kwargs):
@@ -77,7 +90,7 @@ def _shared_prefill(original, input_ids, attention_mask, past_key_values, positi
 
     if (not isinstance(past_key_values, DynamicCache) or past_key_values.get_seq_length() != 0
             or (attention_mask is not None and attention_mask.dim() != 2)  # None: no padding anywhere
-            or any(v not in (None, False) for k, v in kwargs.items() if k not in _PASSED_THROUGH)):
+            or not _only_neutral(kwargs)):
         return None
     rows = input_ids.size(0)
     key = [input_ids] if attention_mask is None else [input_ids, attention_mask]
@@ -85,49 +98,15 @@ def _shared_prefill(original, input_ids, attention_mask, past_key_values, positi
         if position_ids.dim() != 2 or position_ids.size(0) != rows:
             return None
         key.append(position_ids)
-    unique, inverse = torch.unique(torch.cat(key, 1), dim=0, return_inverse=True)
-    if unique.size(0) == rows:
+    first, inverse = _distinct_rows(*key)
+    if first.size(0) == rows:
         return None
-    first = torch.full((unique.size(0),), rows, device=inverse.device).scatter_reduce(
-        0, inverse, torch.arange(rows, device=inverse.device), reduce="amin")
     out = original(input_ids=input_ids[first], past_key_values=past_key_values,
                    attention_mask=None if attention_mask is None else attention_mask[first],
                    position_ids=None if position_ids is None else position_ids[first], **kwargs)
     for layer in past_key_values.layers:
         layer.batch_select_indices(inverse)
     return BaseModelOutputWithPast(last_hidden_state=out.last_hidden_state[inverse], past_key_values=past_key_values)
-
-
-@contextlib.contextmanager
-def shared_prompt_prefill(model):
-    """Inside the block, generation with ``model`` (any wrapper) prefills each distinct prompt once: GRPO asks for
-    ``num_generations`` samples of every prompt, and their prefill is the same computation. Sampling is unchanged
-    (the same logits, the same random draws)."""
-    lm = _causal_lm(model)
-    backbone = getattr(lm, "base_model", None)
-    if backbone is None or backbone is lm:
-        yield
-        return
-    original = backbone.forward
-    patched_before = backbone.__dict__.get("forward")
-
-    def forward(input_ids=None, attention_mask=None, past_key_values=None, **kwargs):
-        out = None
-        if input_ids is not None:
-            out = _shared_prefill(original, input_ids, attention_mask, past_key_values, **kwargs)
-        if out is None:
-            return original(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
-                            **kwargs)
-        return out
-
-    backbone.forward = forward
-    try:
-        yield
-    finally:
-        if patched_before is None:
-            del backbone.forward
-        else:
-            backbone.forward = patched_before
 
 
 def _causal_lm(model) -> Any:
@@ -139,22 +118,71 @@ def _causal_lm(model) -> Any:
     return model
 
 
+def _backbone(model) -> Any:
+    """The decoder stack under the causal LM's head (``base_model``), or ``None`` for a model without one."""
+    lm = _causal_lm(model)
+    backbone = getattr(lm, "base_model", None)
+    return None if backbone is lm else backbone
+
+
+@contextlib.contextmanager
+def _swapped_forward(backbone, shared):
+    """Inside the block, ``backbone``'s forward runs ``shared(original, **inputs)``, or the original forward where
+    that returns ``None``; afterwards the forward is what it was (the class's, or an instance-level one such as
+    accelerate's hooks)."""
+    original = backbone.forward
+    patched_before = backbone.__dict__.get("forward")
+
+    def forward(*args, **inputs):
+        out = None if args else shared(original, **inputs)  # transformers and TRL call the backbone by keyword
+        return original(*args, **inputs) if out is None else out
+
+    backbone.forward = forward
+    try:
+        yield
+    finally:
+        if patched_before is None:
+            del backbone.forward
+        else:
+            backbone.forward = patched_before
+
+
+def shared_prompt_prefill(model):
+    """Inside the block, generation with ``model`` (any wrapper) prefills each distinct prompt once: GRPO asks for
+    ``num_generations`` samples of every prompt, and their prefill is the same computation. Sampling is unchanged
+    (the same logits, the same random draws)."""
+    backbone = _backbone(model)
+    if backbone is None:
+        return contextlib.nullcontext()
+
+    def prefill(original, input_ids=None, attention_mask=None, past_key_values=None, **kwargs):
+        if input_ids is None:
+            return None
+        return _shared_prefill(original, input_ids, attention_mask, past_key_values, **kwargs)
+
+    return _swapped_forward(backbone, prefill)
+
+
 class SharedPromptForward:
-    """Mixin for :class:`grpo.training.trainer.GRPOTrainer`: the log-prob forward shares each group's prompt."""
+    """Mixin for :class:`grpo.training.trainer.GRPOTrainer`: the log-prob forward and in-process generation share
+    each group's prompt."""
+
+    @property
+    def _shares_prompts(self) -> bool:
+        exp = getattr(self, "experiment", None)
+        return exp is not None and exp.async_.shared_prompt_forward
 
     def _shared_prompt_unavailable(self, model, kwargs: dict) -> str | None:
         """Why the shared-prompt forward cannot run for this call, or ``None``."""
-        exp = getattr(self, "experiment", None)
-        if exp is None or not exp.async_.shared_prompt_forward:
+        if not self._shares_prompts:
             return "off"
         if kwargs.get("compute_aux_loss"):
             return "a MoE router aux loss is computed"
         if any(v is not None for k, v in kwargs.items() if k not in ("batch_size", "compute_entropy", "compute_aux_loss")):
             return "the model takes image or token-type inputs"
-        lm = _causal_lm(model)
-        backbone = getattr(lm, "base_model", None)
-        if backbone is None or backbone is lm:
-            return f"{type(lm).__name__} has no separate backbone"
+        backbone = _backbone(model)
+        if backbone is None:
+            return f"{type(_causal_lm(model)).__name__} has no separate backbone"
         if getattr(backbone, "gradient_checkpointing", False) and torch.is_grad_enabled():
             return "gradient checkpointing keeps no cache while training"
         return None
@@ -175,9 +203,8 @@ class SharedPromptForward:
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """TRL's generation (transformers' generate; vLLM untouched) with each distinct prompt prefilled once."""
-        exp = getattr(self, "experiment", None)
-        share = (exp is not None and exp.async_.shared_prompt_forward and images is None and not multimodal_fields
-                 and not self.use_vllm and not self.use_transformers_continuous_batching)
+        share = (self._shares_prompts and images is None and not multimodal_fields and not self.use_vllm
+                 and not self.use_transformers_continuous_batching)
         with shared_prompt_prefill(self.model) if share else contextlib.nullcontext():
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
@@ -185,29 +212,20 @@ class SharedPromptForward:
     @contextlib.contextmanager
     def _sharing_prompts(self, model, prompt_width: int):
         """Swap the backbone's forward for the shared-prompt one for the calls inside the block."""
-        backbone = _causal_lm(model).base_model
-        original = backbone.forward
-        patched_before = backbone.__dict__.get("forward")  # an instance-level forward (e.g. accelerate's hooks)
         counts = {"rows": 0, "prompts": 0}
 
-        def forward(input_ids=None, attention_mask=None, **kwargs):
-            shared = None
-            if input_ids is not None and attention_mask is not None:
-                shared = _shared_forward(original, input_ids, attention_mask, prompt_width, **kwargs)
-            if shared is None:
-                return original(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        def shared(original, input_ids=None, attention_mask=None, **kwargs):
+            if input_ids is None or attention_mask is None:
+                return None
+            out = _shared_forward(original, input_ids, attention_mask, prompt_width, **kwargs)
+            if out is None:
+                return None
             counts["rows"] += input_ids.size(0)
-            counts["prompts"] += shared[1]
-            return shared[0]
+            counts["prompts"] += out[1]
+            return out[0]
 
-        backbone.forward = forward
-        try:
+        with _swapped_forward(_backbone(model), shared):
             yield
-        finally:
-            if patched_before is None:
-                del backbone.forward  # the class's forward again
-            else:
-                backbone.forward = patched_before
         if counts["rows"] and torch.is_grad_enabled():
             self._record("shared_prompt/prompt_forwards_frac", counts["prompts"] / counts["rows"])
 
