@@ -8,12 +8,14 @@ directory from its last checkpoint and logs into the same MLflow run.
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.context import get_run_context
+from prefect.states import Cancelled, Failed
 
 import grpo.pipeline.stages
 from flows.stages import (PrefectProgress, dataset_summary, dataset_table, eval_flow, plan_flow, plan_markdown, prep_flow,
@@ -25,6 +27,7 @@ from flows.run_form import (UNSET, AsyncSettings, BatchSizeField, DataSettings, 
                             given)
 from grpo.config import ExperimentConfig, resolve_config
 from grpo.console import quiet_library_noise
+from grpo.errors import GRPOPlatformError
 from grpo.pipeline.confine import check_config_paths
 from grpo.pipeline.recipe import run_recipe
 from grpo.pipeline.tracking import MlflowCallback, MlflowTracker
@@ -36,13 +39,51 @@ _TRACKERS: dict[str, MlflowTracker] = {}  # run dir -> tracker, shared by the su
 
 @flow(name="grpo-train", flow_run_name="train")
 def train_flow(config: ExperimentConfig, run_dir: str, data_dir: str, plan_path: str, resume: bool = False) -> dict:
-    """GRPO training into ``run_dir``; resumes from the last checkpoint when one exists (no blind retries)."""
+    """GRPO training into ``run_dir``; resumes from the last checkpoint when one exists (no blind retries).
+
+    Stopped by a signal (Cancel in the Prefect UI: the runner's SIGTERM; Ctrl-C), training saves a checkpoint at the
+    end of its step (grpo.training.graceful_stop); this subflow then ends Cancelled, not Crashed, and its log says
+    which step was saved and how to resume. The signal's exception still reaches the pipeline, which unwinds as
+    before (MLflow run KILLED, the flow run Cancelled)."""
+    from prefect.runtime import flow_run
+
     run = RunDir(Path(run_dir))
     tracker = _TRACKERS.get(str(run.path))
-    callbacks = [PrefectProgress(run.read_json("eval_before.json")),
+    parent = flow_run.parent_flow_run_id
+    callbacks = [PrefectProgress(run.read_json("eval_before.json"), str(parent) if parent else None),
                  *([MlflowCallback(tracker)] if tracker is not None else [])]
-    return grpo.pipeline.stages.train_stage(config, run, data_dir, plan_path, resume, callbacks=callbacks,
-                                   log=get_run_logger().info)
+    logger = get_run_logger()
+    try:
+        return grpo.pipeline.stages.train_stage(config, run, data_dir, plan_path, resume, callbacks=callbacks,
+                                                log=logger.info)
+    except BaseException as err:
+        signal_name = _stop_signal(err)
+        if signal_name is None:
+            raise
+        message = stopped_message(run, signal_name)
+        logger.warning(message)
+        return Cancelled(message=message, data=err)  # the pipeline's call re-raises err
+
+
+def _stop_signal(err: BaseException) -> str | None:
+    """The signal behind ``err`` (Ctrl-C, SIGTERM as Prefect's TerminationSignal or the CLI's own), None for an
+    error."""
+    if isinstance(err, KeyboardInterrupt):
+        return "SIGINT"
+    if isinstance(err, Exception) or isinstance(err, (SystemExit, GeneratorExit)):
+        return None
+    signum = getattr(err, "signum", None) or getattr(err, "signal", None)
+    return signal.Signals(signum).name if signum else None
+
+
+def stopped_message(run: RunDir, signal_name: str) -> str:
+    """What a stopped training tells the person who stopped it: the step saved and how to continue."""
+    checkpoint = run.latest_checkpoint()
+    saved = (f"checkpoint at step {checkpoint.name.rsplit('-', 1)[-1]} saved in {checkpoint}" if checkpoint
+             else "no checkpoint was saved (stopped before its first step ended)")
+    return (f"training stopped by {signal_name}: {saved}. To continue: run the deployment again with MLflow run "
+            f"name {run.path.name!r} and Resume on, or `grpo run --config {run.path / 'config.yaml'} --run-name "
+            f"{run.path.name} --resume`")
 
 
 class PrefectStages:
@@ -135,16 +176,22 @@ def grpo_pipeline(
          "sampling_settings": sampling_settings, "async_settings": async_settings,
          "evaluation_settings": evaluation_settings, "tracking_settings": tracking_settings,
          "experiment_settings": experiment_settings})
-    config = resolve_config(given(config), given(preset), given(overrides), settings)
-    check_config_paths(config)  # a served run (grpo serve) stays inside the allowed roots (#12.15)
     logger = get_run_logger()
     flow_run_id, flow_run_name, attempt = _flow_run_info()
+    try:
+        config = resolve_config(given(config), given(preset), given(overrides), settings)
+        check_config_paths(config)  # a served run (grpo serve) stays inside the allowed roots (#12.15)
+        name = given(run_name) or f"{config.name}-{flow_run_name or time.strftime('%Y%m%d-%H%M%S')}"
+        run_path = Path(config.output_dir) / name
+        resume = resume or (attempt > 1 and run_path.exists())  # a retried flow run continues its run directory
+        run = open_run_dir(config, name, resume)
+    except GRPOPlatformError as err:
+        # a form's mistake (a bad value, a changed config on resume, a taken run name) is one line in the UI, not a
+        # traceback; a caller in Python gets the error itself (the CLI prints it as its one-line error)
+        logger.error(f"error: {err}")
+        return Failed(message=str(err), data=err)
     if flow_run_id is not None:
         FLOW_RUNS_STARTED.append(flow_run_id)
-    name = given(run_name) or f"{config.name}-{flow_run_name or time.strftime('%Y%m%d-%H%M%S')}"
-    run_path = Path(config.output_dir) / name
-    resume = resume or (attempt > 1 and run_path.exists())  # a retried flow run continues its run directory
-    run = open_run_dir(config, name, resume)
     logger.info(f"run directory {run.path} (resume={resume})")
 
     tags = {"prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": flow_run_name,

@@ -29,7 +29,9 @@ from typing import Annotated, Any
 from fastapi.encoders import ENCODERS_BY_TYPE
 from pydantic import MISSING, Field, WithJsonSchema
 
-from grpo.config import ExperimentConfig, presets
+from grpo.config import ExperimentConfig, flatten, load_config, presets
+from grpo.errors import GRPOPlatformError
+from grpo.formatting import human_number
 
 # Section parameters of the form, in the order they appear: parameter name -> (config key, title, what it holds).
 SECTIONS: dict[str, tuple[str | None, str, str]] = {
@@ -54,8 +56,6 @@ COMMON_FIELDS: dict[str, tuple[str, str]] = {
     "loss_type": ("grpo.loss_type", "Loss type"),
     "seed": ("grpo.seed", "Seed"),
 }
-
-_EMPTY_MEANS_PRESET = "Empty: the preset's value."
 
 
 @functools.cache
@@ -93,7 +93,9 @@ def _without_null(prop: dict[str, Any]) -> dict[str, Any]:
 
 def _for_form(prop: dict[str, Any], path: str) -> dict[str, Any]:
     """One field as the section form shows it: no default (empty = the preset's value), no ``null`` branch, its
-    dotted key in the description (the name ``overrides`` and the CLI's ``--set`` use)."""
+    dotted key and the presets' values in the description (the key is the name ``overrides`` and the CLI's ``--set``
+    use). An on/off field is a true/false dropdown that starts empty: Prefect's switch shows "off" and sends
+    ``false`` once a section is opened, which would switch off what a preset switches on."""
     prop = _without_null({k: v for k, v in prop.items() if k != "default"})
     if prop.get("type") == "object" and "properties" in prop:
         prop["title"] = path.rsplit(".", 1)[-1].replace("_", " ").title()  # not the class name (WarmStartConfig)
@@ -101,9 +103,45 @@ def _for_form(prop: dict[str, Any], path: str) -> dict[str, Any]:
                                        for name, child in prop["properties"].items()}}
         prop.pop("required", None)
         return prop
-    text = prop.get("description", "").strip()
-    prop["description"] = f"`{path}`" + (f": {text}" if text else "")
+    if prop.get("type") == "boolean":
+        prop = {**{k: v for k, v in prop.items() if k != "type"}, "enum": [True, False]}
+    text = prop.get("description", "").strip().rstrip(".")
+    values = _preset_values_text(path)
+    prop["description"] = f"`{path}`" + (f": {text}." if text else ".") + (f" Preset {values}." if values else "")
     return prop
+
+
+@functools.cache
+def _preset_values() -> dict[str, dict[str, Any]]:
+    """Each preset's resolved fields by dotted key; a preset that does not load on this machine (the GPU preset
+    without vLLM) is left out of the form's descriptions."""
+    values = {}
+    for name in presets():
+        try:
+            values[name] = flatten(load_config(name))
+        except GRPOPlatformError:
+            continue
+    return values
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "empty"
+    if isinstance(value, float):
+        return human_number(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    return str(value)
+
+
+def _preset_values_text(path: str) -> str:
+    """``tiny: true`` (the value each preset gives the field; ``every preset: X`` when they agree)."""
+    shown = {name: _shown(values[path]) for name, values in _preset_values().items() if path in values}
+    if len(set(shown.values())) == 1 and len(shown) > 1:
+        return f"every preset: {next(iter(shown.values()))}"
+    return "; ".join(f"{name}: {value}" for name, value in shown.items())
 
 
 def _count_titles(properties: dict[str, Any], seen: dict[str, int]) -> None:
@@ -160,7 +198,9 @@ def common_field_schema(param: str) -> dict[str, Any]:
     prop = _inline(full["properties"][section], defs)["properties"][name]
     prop = _without_null({k: v for k, v in prop.items() if k not in ("default", "title")})
     text = prop.get("description", "").strip().rstrip(".")
-    prop["description"] = (f"{text}. " if text else "") + f"{_EMPTY_MEANS_PRESET} (`{path}`)"
+    values = _preset_values_text(path)
+    prop["description"] = ((f"{text}. " if text else "") + f"Empty: the preset's value{f' ({values})' if values else ''}."
+                           f" (`{path}`)")
     return {"title": title, **prop}
 
 
@@ -206,7 +246,8 @@ WholeConfig = _form({
     "type": "object", "title": "Whole config (advanced)",
     "description": "A complete experiment config (what `grpo validate --config` prints, as JSON), used when no preset "
                    "is chosen. The CLI and sweeps pass it; a deployment served from a config file starts from it.",
-}, ExperimentConfig | None)
+})  # Any, not ExperimentConfig: Prefect validates a run's omitted parameters as their default (UNSET), which a model
+# type refuses; resolve_config validates the mapping as a config, naming the field that is wrong
 TrackingTags = _form({
     "type": "object", "title": "Extra MLflow run tags",
     "description": "e.g. {\"team\": \"rl\"}. A sweep sets mlflow.parentRunId here to nest its trials.",

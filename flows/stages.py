@@ -13,6 +13,7 @@ from typing import Any
 
 from prefect import flow, task
 from prefect.artifacts import (
+    ProgressArtifact,
     create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
@@ -112,13 +113,18 @@ def plan_markdown(plan: dict) -> str:
 
 
 class PrefectProgress(TrainerCallback):
-    """Keeps a Prefect progress artifact at the fraction of optimizer steps done; its description says the step, the
+    """Keeps a Prefect progress artifact at the fraction of optimizer steps done, on the train subflow's run and on
+    the pipeline's own run (``parent_flow_run_id``: where a person looks first); its description says the step, the
     last logged reward and the accuracy before training (``eval_before``), e.g.
-    ``step 20/500 · reward 0.412 ±0.31 · eval accuracy before 0.725``."""
+    ``step 20/500 · reward 0.412 ±0.31 · eval accuracy before 0.725``.
 
-    def __init__(self, eval_before: dict | None = None) -> None:
-        self.artifact_id = None
+    The Trainer calls ``on_step_end`` before ``on_log`` for the same step, so the artifact is updated after the log
+    too: a logging step's description carries that step's reward, not the previous one's."""
+
+    def __init__(self, eval_before: dict | None = None, parent_flow_run_id: str | None = None) -> None:
+        self.artifact_ids: list = []
         self.before = eval_before
+        self.parent = parent_flow_run_id
         self.logged: dict = {}
 
     def describe(self, step: int, max_steps: int) -> str:
@@ -130,20 +136,33 @@ class PrefectProgress(TrainerCallback):
             parts.append(f"eval accuracy before {self.before['accuracy']:.3f}")
         return " · ".join(parts)
 
+    @staticmethod
+    def _progress(state) -> float:
+        return 100.0 * state.global_step / state.max_steps if state.max_steps else 0.0
+
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            self.artifact_id = create_progress_artifact(
-                progress=100.0 * state.global_step / state.max_steps if state.max_steps else 0.0,
-                key="training-progress", description=self.describe(state.global_step, state.max_steps))
+            description = self.describe(state.global_step, state.max_steps)
+            self.artifact_ids = [create_progress_artifact(progress=self._progress(state), key="training-progress",
+                                                          description=description)]
+            if self.parent:
+                self.artifact_ids.append(ProgressArtifact(
+                    progress=self._progress(state), key="run-training-progress", description=description,
+                    flow_run_id=self.parent).create().id)
+
+    def _update(self, state) -> None:
+        if state.max_steps:
+            for artifact_id in self.artifact_ids:
+                update_progress_artifact(artifact_id, progress=self._progress(state),
+                                         description=self.describe(state.global_step, state.max_steps))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs:
             self.logged.update({k: v for k, v in logs.items() if k in ("reward", "reward_std")})
+            self._update(state)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.artifact_id is not None and state.max_steps:
-            update_progress_artifact(self.artifact_id, progress=100.0 * state.global_step / state.max_steps,
-                                     description=self.describe(state.global_step, state.max_steps))
+        self._update(state)
 
 
 class ReportIntermediate(TrainerCallback):

@@ -61,7 +61,7 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
@@ -70,6 +70,9 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.pipeline import FLOW_RUNS_STARTED, _flow_run_info, grpo_pipeline, mlflow_run_url
 from flows.run_form import UNSET, PresetChoice, WholeConfig, given
+from flows.sweep_form import (ConcurrencyField, DirectionField, MetricField, RegisteredModelField, SpaceField,
+                              StorageField, StudyNameField, SweepNameField, TrialStepsField, TrialTimeoutField,
+                              UseDeploymentField)
 from grpo.config import ExperimentConfig, resolve_config, to_yaml
 from grpo.errors import GRPOPlatformError, RunDirectoryError
 from grpo.pipeline.run_tracking import end_status
@@ -81,7 +84,6 @@ from grpo.training.graceful_stop import clear_stop_request, request_stop
 
 BEST_ALIAS = "best"
 DIRECTIONS = ("maximize", "minimize")
-Direction = Literal["maximize", "minimize"]
 _DEPLOYMENT_LOCK = threading.Lock()  # run_deployment's subflow task keys come from an unlocked per-flow counter
 
 
@@ -452,42 +454,36 @@ def _results_markdown(sweep: dict, records: list[dict], best: dict | None, regis
 
 @flow(name="grpo-sweep")
 def grpo_sweep(
-    space: dict,
+    space: SpaceField,
     preset: PresetChoice = UNSET,
+    max_steps: TrialStepsField = UNSET,
+    max_concurrency: ConcurrencyField = 2,
+    metric: MetricField = "eval_accuracy_after",
+    direction: DirectionField = "maximize",
+    sweep_name: SweepNameField = UNSET,
+    study_name: StudyNameField = UNSET,
+    storage: StorageField = UNSET,
+    registered_model_name: RegisteredModelField = UNSET,
+    use_deployment: UseDeploymentField = UNSET,
+    trial_timeout: TrialTimeoutField = UNSET,
     config: WholeConfig = UNSET,
-    max_concurrency: int = 2,
-    metric: str = "eval_accuracy_after",
-    direction: Direction = "maximize",
-    sweep_name: str | None = None,
-    use_deployment: str | None = None,
-    registered_model_name: str | None = None,
-    trial_timeout: float | None = None,
-    study_name: str | None = None,
-    storage: str | None = None,
 ) -> dict:
     """Run ``n_trials`` new trials of an Optuna study over ``space`` on top of ``config``, at most ``max_concurrency``
     at once, nested under one MLflow parent run; prune bad trials; register the study's best model.
 
-    Args:
-        space: Search space over dotted config fields: {"sampler": "tpe", "n_trials": 6, "seed": 0, "params":
-            {"grpo.learning_rate": {"loguniform": [1e-5, 1e-3]}}, "pruner": {"type": "median"}}; sampler grid takes
-            lists of values; the older {"grid": {...}} or {"random": {...}} forms work too.
-        max_concurrency: Trials running at once.
-        metric: Summary metric the study optimizes (eval_accuracy_after, reward_last, ...).
-        direction: Whether the best trial has the largest or the smallest metric.
-        sweep_name: Sweep directory and MLflow parent run name; generated when empty. Never overwritten.
-        use_deployment: Run each trial as a run of this pipeline deployment (e.g. grpo-pipeline/gpu) on its work
-            pool instead of as a local subflow (such trials are not pruned).
-        registered_model_name: MLflow registered model for the best trial (default: <config.name>-grpo), alias "best".
-        trial_timeout: Seconds a deployment trial may take before it counts as failed.
-        study_name: Optuna study to create or continue; default: <config.name>-<deployment> for a deployment's runs
-            (a scheduled sweep continues one study), else the sweep name (a new study).
-        storage: Optuna storage URL; default sqlite:///<output_dir>/optuna.db.
+    The parameters' titles and help, as the Prefect UI's run form shows them, are in :mod:`flows.sweep_form`; an
+    empty (UNSET) field means its default there.
     """
+    sweep_name, study_name, storage = given(sweep_name), given(study_name), given(storage)
+    registered_model_name, use_deployment, trial_timeout = (given(registered_model_name), given(use_deployment),
+                                                            given(trial_timeout))
+    max_steps = given(max_steps)
     logger = get_run_logger()
     from grpo.pipeline.confine import check_config_paths
 
-    config = resolve_config(given(config), given(preset))  # every trial starts from the preset or this config
+    # every trial starts from the preset or this config, trained for max_steps when given (a space that varies
+    # grpo.max_steps still sets each trial's own)
+    config = resolve_config(given(config), given(preset), [f"grpo.max_steps={max_steps}"] if max_steps else None)
     check_config_paths(config)  # a served sweep (grpo serve) stays inside the allowed roots (#12.15)
     if direction not in DIRECTIONS:
         raise ValueError(f"direction: {direction!r} is not one of {', '.join(DIRECTIONS)}")

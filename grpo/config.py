@@ -921,14 +921,17 @@ def _is_preset(config: ExperimentConfig, preset: str) -> bool:
         return False
 
 
-def resolve_config(config: ExperimentConfig | None, preset: str | None = None, overrides: list[str] | None = None,
-                   settings: dict | None = None) -> ExperimentConfig:
+def resolve_config(config: ExperimentConfig | dict | None, preset: str | None = None,
+                   overrides: list[str] | None = None, settings: dict | None = None) -> ExperimentConfig:
     """What a form submits: a preset (replacing ``config``; neither means :data:`DEFAULT_PRESET`), then the fields the
     form sets (``settings``, a nested mapping) and ``key=value`` overrides on top.
 
     A deployment that names a preset keeps it among its parameters; a run of it that also brings a config of its own
     (an edited form, an API call, a sweep trial) would silently train the preset instead, so a config that is neither
-    the form's default (:data:`DEFAULT_PRESET`) nor the preset itself is refused next to a preset."""
+    the form's default (:data:`DEFAULT_PRESET`) nor the preset itself is refused next to a preset. A mapping (a flow
+    run's JSON parameter) is validated as a config first."""
+    if isinstance(config, dict):
+        config = config_from_dict(config, "config")
     if preset is not None:
         if preset not in presets():
             raise ConfigError(f"preset: unknown preset {preset!r}; valid: {', '.join(presets())}")

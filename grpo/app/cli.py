@@ -110,12 +110,13 @@ def _stoppable(saved: str):
 
     server = procguard.embedded_prefect_server()
     procguard.install_signal_handlers()
+    from flows.pipeline import FLOW_RUNS_STARTED
+
     try:
-        yield
+        with procguard.CancelWatch(FLOW_RUNS_STARTED, server.api_url if server else None):
+            yield
     except (KeyboardInterrupt, procguard.Terminated, TerminationSignal) as err:
         code = procguard.exit_code(err)
-        from flows.pipeline import FLOW_RUNS_STARTED
-
         cancelled = procguard.cancel_flow_runs(FLOW_RUNS_STARTED, server.api_url if server else None,
                                                f"stopped by {signal.Signals(code - 128).name}")
         typer.echo(f"interrupted ({signal.Signals(code - 128).name}): {cancelled} flow run(s) cancelled; {saved}",

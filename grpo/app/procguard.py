@@ -191,5 +191,49 @@ def cancel_flow_runs(flow_run_ids: list[str], api_url: str | None, reason: str, 
     return done
 
 
+class CancelWatch:
+    """Cancel from the Prefect UI for a run the CLI started. A served or worker-run flow run is cancelled by its
+    runner (it sends SIGTERM); nothing supervises ``grpo run``'s own flow run, so a Cancel in the UI only marked it
+    Cancelling while training went on. This thread polls the CLI's flow runs (``flow_run_ids``, filled as they start)
+    and, when one is Cancelling or Cancelled, sends this process SIGTERM once: the run stops as it does on SIGTERM
+    (checkpoint at the current step, MLflow run KILLED, flow runs Cancelled)."""
+
+    def __init__(self, flow_run_ids: list[str], api_url: str | None, interval: float = 2.0) -> None:
+        import threading
+
+        self.flow_run_ids, self.api_url, self.interval = flow_run_ids, api_url, interval
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="grpo-cancel-watch", daemon=True)
+
+    def __enter__(self) -> CancelWatch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+
+    def _loop(self) -> None:
+        import httpx
+
+        url = self.api_url
+        while not self.done.wait(self.interval):
+            if url is None:
+                from prefect.settings import PREFECT_API_URL
+
+                url = PREFECT_API_URL.value()
+                if not url:
+                    continue
+            for flow_run_id in list(self.flow_run_ids):
+                try:
+                    response = httpx.get(f"{url.rstrip('/')}/flow_runs/{flow_run_id}", timeout=10)
+                    state = (response.json().get("state") or {}).get("type") if response.status_code == 200 else None
+                except (httpx.HTTPError, ValueError):
+                    continue
+                if state in ("CANCELLING", "CANCELLED") and not self.done.is_set():
+                    self.done.set()
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+
+
 if __name__ == "__main__":
     sys.exit(_guard(sys.argv[1:]))

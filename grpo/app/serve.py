@@ -24,9 +24,12 @@ from grpo.errors import GRPOPlatformError
 
 SWEEP_MODULE = "flows.sweep"
 
-# Defaults of the sweep's run form (the same as the `nightly` deployment in infra/prefect.yaml).
+# Defaults of the sweep's run form (the same as the `nightly` deployment in infra/prefect.yaml): three learning rates,
+# each trial 50 steps (the tiny preset gains most of its accuracy in its first 50), so the form's defaults finish in
+# minutes on 2 cores.
 SWEEP_PARAMETERS: dict[str, Any] = {
     "space": {"grid": {"grpo.learning_rate": [5.0e-5, 1.0e-4, 2.0e-4]}},
+    "max_steps": 50,
     "max_concurrency": 1,
     "metric": "eval_accuracy_after",
     "direction": "maximize",
@@ -157,10 +160,35 @@ def build_deployments(
     return deployments
 
 
+# A kind Prefect's server does not know: hydration replaces it with its value, unhydrated (see keep_json_kinds).
+_PASS_THROUGH_KIND = "grpo-keep"
+
+
+def keep_json_kinds(deployments: list) -> None:
+    """Keep a re-served deployment's collapsed form. Prefect's server stores a created deployment's parameters as
+    given, but hydrates an UPDATED one's: each ``{"__prefect_kind": "json", "value": "{}"}`` becomes ``{}``, and from
+    the second ``grpo serve`` on every config section opened into its fields (a 14,500 px form). For a deployment
+    that exists already, each json-kind value is wrapped in a kind the server does not know, which hydration
+    replaces with the json-kind value itself; a run created from the deployment hydrates that as usual."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        for d in deployments:
+            try:
+                client.read_deployment_by_name(f"{d.flow_name}/{d.name}")
+            except ObjectNotFound:
+                continue
+            d.parameters = {k: {"__prefect_kind": _PASS_THROUGH_KIND, "value": v}
+                            if isinstance(v, dict) and v.get("__prefect_kind") == "json" else v
+                            for k, v in d.parameters.items()}
+
+
 def serve(deployments: list, limit: int | None = 1, echo=print) -> None:
     """Serve until interrupted; the deployments' schedules are paused when serving stops."""
     import prefect
 
+    keep_json_kinds(deployments)
     for d in deployments:
         when = f", schedule {d.schedules[0].schedule.cron}" if d.schedules else ""
         echo(f"serving {d.flow_name}/{d.name}{when}")
