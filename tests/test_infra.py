@@ -22,6 +22,8 @@ import pytest
 import yaml
 
 from tests.conftest import MICRO, REPO
+from tests.browser import (CHROMIUM, CHROMIUM_ARGS, SCREENSHOTS, SECTION_TITLES, form_property, open_section,
+                           open_select, require_chromium, submit)
 from tests.servers import BIN, free_port
 
 INFRA = REPO / "infra"
@@ -484,41 +486,17 @@ def test_sweep_triggered_through_the_api_runs_on_a_process_worker(prefect_server
 
 # ---------------------------------------------------------------- the Prefect UI in a real browser
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
-SCREENSHOTS = REPO / "test-output"
-
-
-def _form_property(page, label: str):
-    """The innermost schema-form property labelled ``label`` (the UI appends " (Optional)" to optional fields)."""
-    exact = re.compile(rf"^{re.escape(label)}( \(Optional\))?$")
-    return page.locator(".schema-form-property",
-                        has=page.locator(".schema-form-property__label", has_text=exact)).last
-
-
-def _open_select(page, prop) -> list[str]:
-    """Open a Prefect UI dropdown (p-select) and return its option texts."""
-    prop.locator(".p-select-button__control").first.click()
-    options = page.get_by_role("option")
-    if options.count() == 0:  # the first click may only focus it
-        page.keyboard.press("Space")
-    options.first.wait_for(timeout=10_000)
-    return [t.strip() for t in options.all_inner_texts()]
-
-
 @pytest.mark.integration
 def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_server, deployed, tmp_path):
     """In Chromium, the pipeline deployment's run form reads as designed for a person:
     - the preset dropdown comes first, then the common fields with plain titles;
     - each config section is one collapsed line that opens into its fields;
     - there are no None toggles.
-    A run submitted from it (a dropdown, a number, the run name and one field of an opened section changed) is
-    picked up by a process worker. It trains the deployment's config with exactly those fields changed. The nightly
+    A run submitted from it (a dropdown, a number, the run name and one field changed, every section opened) is
+    picked up by a process worker. It trains the deployment's config with exactly those fields changed: opening a
+    section changes nothing by itself (its on/off fields used to be sent as false). The nightly
     sweep's cron schedule is paused and resumed from the UI."""
-    if not CHROMIUM.is_file():
-        pytest.fail(f"{CHROMIUM} is missing: run .ci/run (it installs it) or `apt-get install -y chromium`",
-                    pytrace=False)
+    require_chromium()
     from playwright.sync_api import expect, sync_playwright
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -536,7 +514,6 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
             name="ui-form", work_pool_name="cpu-pool", parameters=pipeline_parameters(micro),
             job_variables={"working_dir": str(REPO)}).apply()
     ui = s.url.removesuffix("/api")
-    SCREENSHOTS.mkdir(exist_ok=True)
     errors: list[str] = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
@@ -561,46 +538,26 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
             assert form_height < 4000, form_height  # was about 14,500 px
             page.screenshot(path=str(SCREENSHOTS / "prefect-run-form.png"))
 
-            assert _open_select(page, _form_property(page, "Preset")) == ["qwen2.5-0.5b-gsm8k", "tiny"]
+            assert open_select(page, form_property(page, "Preset")) == ["qwen2.5-0.5b-gsm8k", "tiny"]
             page.keyboard.press("Escape")
-            loss = _form_property(page, "Loss type")
-            assert _open_select(page, loss) == ["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
+            loss = form_property(page, "Loss type")
+            assert open_select(page, loss) == ["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
             page.get_by_role("option", name="bnpo", exact=True).click()
             expect(loss.locator(".p-select-button__value")).to_have_text("bnpo")
-            _form_property(page, "Training steps").locator("input").fill("3")
-            _form_property(page, "MLflow run name").locator("textarea").fill("from-the-ui")
+            form_property(page, "Training steps").locator("input").fill("3")
+            form_property(page, "MLflow run name").locator("textarea").fill("from-the-ui")
             page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-filled.png"))
 
-            model = _form_property(page, "Model")  # open the collapsed section and change one field in it
-            model.locator(".schema-form-property__header button").first.click()
-            page.locator(".p-overflow-menu-item:visible", has_text="Use form input").click()
-            steps = _form_property(page, "Steps")
+            for title in SECTION_TITLES:  # open every collapsed section; change one field of the Model section
+                open_section(page, title)
+            model = form_property(page, "Model")
+            steps = form_property(page, "Steps")
             expect(steps).to_contain_text("model.warm_start.steps")  # its description renders after the label
             steps.locator("input").fill("6")
-            assert _form_property(page, "Learning Rate (Warm Start)").count() == 1
+            assert form_property(page, "Learning Rate (Warm Start)").count() == 1
             model.scroll_into_view_if_needed()
             page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-section.png"))
-            page.get_by_role("button", name="Submit", exact=True).click()
-            # The run exists once the server has it (the server is shared by the whole suite and may take a while
-            # under load); then the UI leaves the form for the deployment's page.
-            deadline, created, resubmits = time.monotonic() + 180, [], 0
-            while not created:
-                created = s.post("flow_runs/filter", {"deployments": {"id": {"any_": [str(deployment_id)]}}}).json()
-                if not created and resubmits < 2 and page.get_by_text("Something went wrong").count():
-                    # the shared server refused the UI's request under load (its SQLite is busy): submit again,
-                    # as a person would
-                    resubmits += 1
-                    page.keyboard.press("Escape")
-                    page.get_by_role("button", name="Submit", exact=True).click()
-                    time.sleep(3)
-                    continue
-                if not created:
-                    if time.monotonic() > deadline:
-                        page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-submit-failed.png"))
-                        pytest.fail("no flow run 180 s after Submit; the page says: "
-                                    + page.locator("body").inner_text()[-1500:])
-                    time.sleep(1)
-            [created] = created
+            created = submit(page, s, deployment_id, set())
             flow_run_id = created["id"]
             page.wait_for_url(re.compile(rf".*/deployments/deployment/{deployment_id}(\?.*)?$"), timeout=120_000)
 

@@ -1,0 +1,334 @@
+"""The README's UI path, as a person takes it: `grpo serve` with no options (the second time it is started, as on a
+person's second day), then Deployments → grpo-pipeline/local → Run, in Chromium, against the session's real Prefect
+and MLflow servers.
+
+- a Custom run with nothing changed and every section opened trains exactly the tiny preset, to the end;
+- a Quick run is the preset too, and Cancel in the UI stops it: the train subflow ends Cancelled and says which step
+  was saved and how to resume;
+- a Custom run with changed fields, stopped, is resumed from the form (every section opened) and completes; a
+  resume whose config really differs fails with that one line;
+- the README's API parameters run.
+
+A stop that must land while training runs is forced, not timed: the run's reward blocks at its first call while a
+gate file exists, and the gate opens once the run has received the stop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.browser import SCREENSHOTS, SECTION_TITLES, form_property, open_section, require_chromium, submit
+from tests.servers import BIN
+
+pytestmark = pytest.mark.integration
+
+FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+GATED_REWARD = """
+import os, time
+from grpo.rewards import register_reward, exact_match
+
+@register_reward("exact_match_gated")
+def exact_match_gated(completions, answer, **kwargs):
+    # Blocks while the gate file exists: the test holds training inside a step until its stop has arrived.
+    gate = os.environ["GRPO_TEST_GATE"]
+    open(gate + ".reached", "w").close()
+    while os.path.exists(gate):
+        time.sleep(0.1)
+    return exact_match(completions, answer)
+"""
+
+
+class Served:
+    """`grpo serve` (no options) in ``home``, its log, and the server it registered with."""
+
+    def __init__(self, server, home: Path, env: dict[str, str]) -> None:
+        self.server, self.home, self.env = server, home, env
+        self.log = home / "serve.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        before = {}
+        for name in ("grpo-pipeline/local", "grpo-sweep/local"):
+            response = self.server._request("GET", f"deployments/name/{name}")
+            before[name] = response.json()["updated"] if response.status_code == 200 else None
+        with self.log.open("a") as out:
+            self.proc = subprocess.Popen([str(BIN / "grpo"), "serve"], cwd=self.home, env=self.env, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 240
+        while True:  # the runner registers (creates or updates) both deployments when it starts
+            now = {}
+            for name in before:
+                response = self.server._request("GET", f"deployments/name/{name}")
+                now[name] = response.json()["updated"] if response.status_code == 200 else None
+            if all(now[n] is not None and now[n] != before[n] for n in before):
+                return
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)  # Ctrl-C
+        try:
+            self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def deployment(self, name: str = "grpo-pipeline/local") -> dict:
+        return self.server.get(f"deployments/name/{name}")
+
+    def wait(self, flow_run_id: str, timeout: float = 1200, until: tuple[str, ...] = FINAL) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            run = self.server.get(f"flow_runs/{flow_run_id}")
+            if run["state"]["type"] in until:
+                return run
+            assert time.monotonic() < deadline, (run["state"], self.log.read_text()[-3000:])
+            time.sleep(2)
+
+    def subflows(self, flow_run_id: str) -> dict[str, dict]:
+        runs = self.server.post("flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [flow_run_id]}}})
+        return {r["name"]: r for r in runs.json()}
+
+    def run_dir(self, flow_run: dict) -> Path:
+        name = flow_run["parameters"].get("run_name") or f"tiny-{flow_run['name']}"
+        return self.home / "runs" / name
+
+
+@pytest.fixture(scope="module")
+def served(prefect_server, mlflow_server, tmp_path_factory):
+    home = tmp_path_factory.mktemp("serve-home")
+    (home / "gated_reward.py").write_text(GATED_REWARD)
+    env = prefect_server.env(MLFLOW_TRACKING_URI=mlflow_server.uri, GRPO_REWARD_MODULES=str(home / "gated_reward.py"),
+                             GRPO_TEST_GATE=str(home / "gate"))
+    s = Served(prefect_server, home, env)
+    s.start()  # the first `grpo serve` creates the deployments ...
+    s.stop()
+    s.start()  # ... the second one updates them: the form must read the same
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def page(served):
+    require_chromium()
+    from playwright.sync_api import sync_playwright
+
+    from tests.browser import CHROMIUM, CHROMIUM_ARGS
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            errors: list[str] = []
+            page.on("pageerror", lambda err: errors.append(str(err)))
+            yield page
+            assert not errors, errors
+        finally:
+            browser.close()
+
+
+def _run_page(page, served) -> str:
+    from playwright.sync_api import expect
+
+    deployment_id = served.deployment()["id"]
+    ui = served.server.url.removesuffix("/api")
+    page.goto(f"{ui}/deployments/deployment/{deployment_id}/run", wait_until="networkidle")
+    # 21 labels: every section collapsed (a busy shared server may take a while to load the deployment)
+    expect(page.locator(".schema-form-property__label")).to_have_count(21, timeout=120_000)
+    return deployment_id
+
+
+def _known(served, deployment_id: str) -> set[str]:
+    runs = served.server.post("flow_runs/filter", {"deployments": {"id": {"any_": [deployment_id]}}}).json()
+    return {r["id"] for r in runs}
+
+
+def _flat_config(path: Path) -> dict:
+    from grpo.config import flatten, load_config
+
+    return flatten(load_config(path))
+
+
+def _tiny() -> dict:
+    from grpo.config import flatten, load_config
+
+    return flatten(load_config("tiny"))
+
+
+def _changed(path: Path) -> dict:
+    tiny = _tiny()
+    return {k: v for k, v in _flat_config(path).items() if tiny[k] != v}
+
+
+def _wait_file(path: Path, timeout: float = 600, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared; " + (log.read_text()[-3000:] if log else "")
+        time.sleep(0.5)
+
+
+def test_a_second_grpo_serve_keeps_the_forms_as_designed(served):
+    """Prefect's server hydrates an updated deployment's json-kind parameters: from the second `grpo serve` on every
+    section opened into its ~130 fields. The served deployments read as on the first day."""
+    from flows.run_form import collapsed_sections
+    from grpo.app.serve import SWEEP_PARAMETERS
+
+    assert served.deployment()["parameters"] == {"preset": "tiny", "resume": False, **collapsed_sections()}
+    assert served.deployment("grpo-sweep/local")["parameters"] == {"preset": "tiny", **SWEEP_PARAMETERS}
+
+
+def test_a_custom_run_with_nothing_changed_trains_the_preset_to_the_end(served, page):
+    """Every section opened (its on/off fields start empty, not "off"), nothing typed, Submit: the run trains the tiny
+    preset field for field, evaluates before and after, saves and logs its model, and its progress shows on the
+    pipeline's own run with the last step's reward."""
+    deployment_id = _run_page(page, served)
+    page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-default.png"))
+    known = _known(served, deployment_id)
+    for title in SECTION_TITLES:
+        open_section(page, title)
+    enabled = form_property(page, "Enabled (Evaluation)")
+    assert "Preset tiny: true" in enabled.inner_text() and enabled.locator("[role=switch]").count() == 0
+    enabled.scroll_into_view_if_needed()
+    page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-default-sections.png"))
+    created = submit(page, served.server, deployment_id, known)
+    run = served.wait(created["id"])
+    assert run["state"]["type"] == "COMPLETED", (run["state"], served.log.read_text()[-4000:])
+
+    run_dir = served.run_dir(run)
+    assert _changed(run_dir / "config.yaml") == {}  # the preset, field for field
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 500 and summary["eval_accuracy_before"] is not None
+    assert summary["eval_accuracy_after"] is not None and (run_dir / "model" / "config.json").is_file()
+    from mlflow import MlflowClient
+
+    mlflow_run = MlflowClient(served.env["MLFLOW_TRACKING_URI"]).get_run(summary["mlflow_run_id"])
+    assert mlflow_run.info.status == "FINISHED"
+    [progress] = served.server.post("artifacts/filter", {"artifacts": {
+        "key": {"any_": ["run-training-progress"]}, "flow_run_id": {"any_": [created["id"]]}}}).json()
+    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "reward" in json.loads(line).get("metrics", {})][-1]
+    assert progress["data"] == 100.0 and progress["description"].startswith(
+        f"step 500/500 · reward {last['metrics']['reward']:.3f}"), (progress, last)
+    ui = served.server.url.removesuffix("/api")
+    page.goto(f"{ui}/runs/flow-run/{created['id']}", wait_until="networkidle")
+    page.get_by_text("Completed").first.wait_for(timeout=30_000)
+    page.screenshot(path=str(SCREENSHOTS / "prefect-flow-run-default.png"))
+
+
+def test_a_quick_run_is_the_preset_and_cancel_in_the_ui_saves_a_checkpoint(served, page):
+    """Run → Quick run trains the tiny preset (its config.yaml); Cancel on its page stops training at the end of a
+    step with a checkpoint: the train subflow ends Cancelled and its log says which step was saved and how to
+    resume (500 steps leave the stop hundreds of steps to land in)."""
+    from playwright.sync_api import expect
+
+    deployment_id = served.deployment()["id"]
+    ui = served.server.url.removesuffix("/api")
+    known = _known(served, deployment_id)
+    page.goto(f"{ui}/deployments/deployment/{deployment_id}", wait_until="networkidle")
+    created = submit(page, served.server, deployment_id, known, button="Quick run")
+    run_dir = served.run_dir(served.server.get(f"flow_runs/{created['id']}"))
+    _wait_file(run_dir / "metrics.jsonl", log=served.log)  # the first logged step: training runs
+    assert _changed(run_dir / "config.yaml") == {}
+
+    page.goto(f"{ui}/runs/flow-run/{created['id']}", wait_until="networkidle")
+    page.get_by_role("button", name="Cancel", exact=True).first.click()
+    confirm = page.get_by_role("dialog").get_by_role("button", name=re.compile("^Cancel"))
+    if confirm.count():
+        confirm.last.click()
+    run = served.wait(created["id"], timeout=600)
+    assert run["state"]["type"] == "CANCELLED", run["state"]
+    train = served.subflows(created["id"])["train"]
+    message = train["state"]["message"]
+    assert train["state"]["type"] == "CANCELLED", train["state"]
+    step = int(re.search(r"checkpoint at step (\d+) saved", message).group(1))
+    assert (run_dir / "checkpoints" / f"checkpoint-{step}").is_dir() and 0 < step < 500
+    assert f"MLflow run name {run_dir.name!r} and Resume on" in message
+    logs = served.server.post("logs/filter", {"logs": {"flow_run_id": {"any_": [train["id"]]}}}).json()
+    assert any("training stopped by SIGTERM: checkpoint at step" in entry["message"] for entry in logs)
+    page.goto(f"{ui}/runs/flow-run/{train['id']}", wait_until="networkidle")
+    expect(page.get_by_text("Cancelled").first).to_be_visible(timeout=30_000)
+    page.screenshot(path=str(SCREENSHOTS / "prefect-train-cancelled.png"))
+
+
+def _fill_run(page, run_name: str, steps: int, resume: bool = False) -> None:
+    form_property(page, "Training steps").locator("input").fill(str(steps))
+    form_property(page, "MLflow run name").locator("textarea").fill(run_name)
+    reward = form_property(page, "Reward functions")
+    reward.locator(".p-select-button__control").first.click()
+    page.get_by_role("option", name="exact_match_gated", exact=True).click()  # instead of the preset's exact_match
+    page.keyboard.press("Escape")
+    if resume:
+        form_property(page, "Resume").get_by_role("switch").click()
+
+
+def test_a_changed_run_stopped_mid_step_resumes_from_the_form(served, page):
+    """A Custom run with three fields changed, stopped while its first step waits in the reward, then Resume from the
+    form (same fields, every section opened): it completes, and its config is the preset with exactly those
+    fields. A resume that changes the config fails with that one line, no traceback."""
+    gate = Path(served.env["GRPO_TEST_GATE"])
+    gate.touch()
+    deployment_id = _run_page(page, served)
+    known = _known(served, deployment_id)
+    _fill_run(page, "ui-changed", 12)
+    created = submit(page, served.server, deployment_id, known)
+    _wait_file(Path(f"{gate}.reached"), log=served.log)  # training is inside its first step
+    served.server.post(f"flow_runs/{created['id']}/set_state",
+                       {"state": {"type": "CANCELLING", "name": "Cancelling"}})  # what Cancel in the UI sends
+    deadline = time.monotonic() + 300
+    while "SIGTERM: saving a checkpoint at the end of this step" not in served.log.read_text():
+        assert time.monotonic() < deadline, served.log.read_text()[-3000:]
+        time.sleep(0.5)
+    gate.unlink()  # the step ends, its checkpoint is saved
+    run = served.wait(created["id"], timeout=600)
+    assert run["state"]["type"] == "CANCELLED", run["state"]
+    assert served.subflows(created["id"])["train"]["state"]["type"] == "CANCELLED"
+    run_dir = served.home / "runs" / "ui-changed"
+    assert (run_dir / "checkpoints" / "checkpoint-1").is_dir()
+
+    _run_page(page, served)
+    known = _known(served, deployment_id)
+    _fill_run(page, "ui-changed", 12, resume=True)
+    for title in SECTION_TITLES:
+        open_section(page, title)
+    page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-resume.png"))
+    resumed = submit(page, served.server, deployment_id, known)
+    run = served.wait(resumed["id"])
+    assert run["state"]["type"] == "COMPLETED", (run["state"], served.log.read_text()[-4000:])
+    assert _changed(run_dir / "config.yaml") == {"grpo.max_steps": 12,
+                                                  "grpo.reward_funcs": ["exact_match_gated"]}
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 12
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[0] == 1  # each step once across the stop
+
+    bad = served.server.post(f"deployments/{deployment_id}/create_flow_run", {"parameters": {
+        "run_name": "ui-changed", "resume": True, "max_steps": 12, "reward_funcs": ["exact_match_gated"],
+        "learning_rate": 3e-4}}).json()
+    run = served.wait(bad["id"], timeout=600)
+    assert run["state"]["type"] == "FAILED"
+    assert run["state"]["message"].startswith("--resume: config differs from the one") and \
+        "grpo.learning_rate: 0.0001 -> 0.0003" in run["state"]["message"], run["state"]
+    logs = served.server.post("logs/filter", {"logs": {"flow_run_id": {"any_": [bad["id"]]}}}).json()
+    assert not any("Traceback" in entry["message"] for entry in logs), [e["message"] for e in logs]
+
+
+def test_the_readme_api_parameters_run(served):
+    """README: "Through the API, a run's parameters are the same names"; its example, with fewer steps."""
+    deployment_id = served.deployment()["id"]
+    params = {"preset": "tiny", "learning_rate": 2e-4, "max_steps": 30, "grpo_settings": {"beta": 0.04}}
+    created = served.server.post(f"deployments/{deployment_id}/create_flow_run", {"parameters": params}).json()
+    run = served.wait(created["id"])
+    assert run["state"]["type"] == "COMPLETED", (run["state"], served.log.read_text()[-4000:])
+    assert _changed(served.run_dir(run) / "config.yaml") == {"grpo.learning_rate": 2e-4, "grpo.max_steps": 30,
+                                                             "grpo.beta": 0.04}
