@@ -5,8 +5,8 @@ prompt, and for the hybrids one Mamba / linear-attention layer beside an attenti
 BPE tokenizer of tests/own_model.py, and:
 
 - trains one step through ``grpo run``'s real path (prep, the model folder's loader, TRL's in-process generation with
-  the shared prefill, the loss with compaction and the shared-prompt forward), and a model whose feature cannot apply
-  says so once in the log;
+  the shared prefill, the loss with compaction and the shared-prompt forward, evaluation's cached generation), and a
+  model whose feature cannot apply says so once in the log;
 - gives stock ``trl.GRPOTrainer``'s gradient of one step (1e-5 relative, fp32) on the same scored batch, with the
   speed features on where they apply, which is checked too (the shared prompt's forwards fraction < 1, compacted rows).
 """
@@ -62,7 +62,7 @@ def config(model, data, out, *extra: str):
         f"output_dir={out}", f"model.name_or_path={model}", f"data.source={data}", "data.prompt_format=chat",
         "data.num_eval=8", "model.warm_start.steps=0", "grpo.max_completion_length=4", "grpo.max_steps=1",
         f"grpo.per_device_train_batch_size={GROUPS * SIZE}", f"grpo.num_generations={SIZE}", "grpo.save_steps=100",
-        "grpo.logging_steps=1", "grpo.temperature=1.5", "evaluation.enabled=false", *extra,
+        "grpo.logging_steps=1", "grpo.temperature=1.5", "evaluation.num_prompts=4", "evaluation.pass_k=0", *extra,
     ])
 
 
@@ -79,7 +79,7 @@ def test_one_grpo_run_step_with_the_default_speed_features(folders, arch, tmp_pa
     assert cfg.async_.shared_prompt_forward and cfg.async_.compact_zero_advantage  # the defaults
     with caplog.at_level(logging.INFO, logger="grpo.training"):
         summary = run_experiment(cfg, open_run_dir(cfg, f"arch-{arch}", resume=False), log=lambda *_: None)
-    assert summary["steps"] == 1
+    assert summary["steps"] == 1 and summary["eval_accuracy_after"] is not None  # evaluation generated too
     lines = fallback_lines(caplog)
     expected = []
     if arch in RECURRENT:  # once, from generation's prefill or the training forward, whichever came first
@@ -126,6 +126,8 @@ def test_gradient_equals_stock_trl(folders, arch, tmp_path):
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
         old, _, _ = stock._get_per_token_logps_and_entropies(stock.model, ids, mask, width)
+    # The prompts are longer than the sliding windows (the windowed layers attend to part of the cached prompt).
+    assert batch["prompt_ids"].shape[1] > ARCHITECTURES[arch].get("sliding_window", 0)
     batch["old_per_token_logps"] = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))
 
     reference, reference_loss = gradient(stock, batch)
@@ -142,3 +144,33 @@ def test_gradient_equals_stock_trl(folders, arch, tmp_path):
         assert metrics["shared_prompt/prompt_forwards_frac"][-1] < 1
     skipped = metrics["compaction/rows_skipped_frac"][-1]
     assert skipped == (0.0 if arch in ROUTER_AUX_LOSS else float((ADVANTAGES == 0).sum()) / len(ADVANTAGES))
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_the_async_generator_samples_as_without_the_speed_features(folders, arch):
+    """The CPU async generator's round (:func:`sample_round`: the shared prefill where it applies, the KV cache)
+    draws the same completions, with the same sampling log-probs, as without the shared prefill."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo.training.async_producer import sample_round
+
+    folder, _ = folders
+    model = AutoModelForCausalLM.from_pretrained(folder(arch), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder(arch))
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"What is {a} plus 3?"}],
+                                             add_generation_prompt=True, tokenize=True, return_dict=False)
+               for a in (4, 17)]
+    prompts[0] = prompts[0][1:]  # unequal lengths: left padding
+    gen = {"eos_token_ids": [tokenizer.eos_token_id], "pad_token_id": tokenizer.eos_token_id, "max_new_tokens": 4,
+           "temperature": 1.5, "top_p": 1.0, "top_k": 0}
+
+    def sample(**options):
+        torch.manual_seed(3)
+        return sample_round(model, [p for p in prompts for _ in range(SIZE)], {**gen, **options})
+
+    completions, logps = sample()
+    plain_completions, plain_logps = sample(shared_prompt=False)
+    assert completions == plain_completions
+    assert all(len(c) for c in completions)
+    flat, plain = torch.tensor(sum(logps, [])), torch.tensor(sum(plain_logps, []))
+    assert ((flat - plain).abs().max() / plain.abs().max()).item() < REL

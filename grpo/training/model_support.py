@@ -17,7 +17,7 @@ The speed features are exact by construction, but each rests on something the mo
   config has ``use_cache``; without it generation recomputes the whole sequence per token.
 
 :func:`unsupported` says why a feature cannot run for a model (``None`` where it applies); :func:`applies` answers
-the same and logs the reason once per model and feature, naming what runs instead.
+the same and logs the reason once per model, feature and reason, naming what runs instead.
 """
 
 from __future__ import annotations
@@ -103,22 +103,23 @@ def unsupported(feature: str, model, *, router_aux_loss: bool = False) -> str | 
     raise ValueError(f"unknown feature {feature!r}: one of {', '.join(_INSTEAD)}")
 
 
-# Per model, the features whose fallback was logged (weak keys: a model's entry goes with the model).
+# Per model, the (feature, reason) pairs already logged (weak keys: a model's entry goes with the model).
 _said: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def say_once(feature: str, model, reason: str) -> None:
-    """Log once per model (under its wrappers) and feature that ``feature`` falls back, and why."""
+    """Log once per model (under its wrappers), feature and reason that ``feature`` falls back, and why: the
+    training forward and generation's prefill ask on every call, and the log says it once."""
     lm = causal_lm(model)
     said = _said.setdefault(lm, set())
-    if feature not in said:
-        said.add(feature)
+    if (feature, reason) not in said:
+        said.add((feature, reason))
         _log.info("%s: %s for %s (%s)", feature, _INSTEAD[feature], type(lm).__name__, reason)
 
 
 def applies(feature: str, model, *, router_aux_loss: bool = False) -> bool:
     """Whether ``feature`` runs for ``model`` (:func:`unsupported` is ``None``); where it does not, the reason is
-    logged once per model and feature (:func:`say_once`)."""
+    logged once (:func:`say_once`)."""
     reason = unsupported(feature, model, router_aux_loss=router_aux_loss)
     if reason is not None:
         say_once(feature, model, reason)
