@@ -62,19 +62,19 @@ def _rows_out(per_token: torch.Tensor, inverse: torch.Tensor, width: int) -> tor
     return per_token.reshape(-1, width, per_token.size(-1))[inverse]
 
 
-def _router_logits(head, tail, inverse: torch.Tensor, prompt_width: int, rows: int) -> tuple | None:
+def _router_logits(head, tail, inverse: torch.Tensor, distinct: int, prompt_width: int) -> tuple | None:
     """Every layer's router logits for the full rows (prompt + completion, flattened token-major as the repeated
-    forward's), from the distinct prompts' (``head``) and the completions' (``tail``); ``None`` where the routers'
+    forward's), from the ``distinct`` prompts' (``head``) and the completions' (``tail``); ``None`` where the routers'
     outputs do not have that shape (the caller then runs the full forward)."""
     heads, tails = getattr(head, "router_logits", None), getattr(tail, "router_logits", None)
     if heads is None or tails is None or len(heads) != len(tails):
         return None
-    distinct = int(inverse.max()) + 1
-    if any(h.dim() != 2 or h.size(0) != distinct * prompt_width or t.dim() != 2 or t.size(0) % rows
+    rows, completion_width = tail.last_hidden_state.shape[:2]
+    if any(h.dim() != 2 or h.size(0) != distinct * prompt_width or t.dim() != 2 or t.size(0) != rows * completion_width
            for h, t in zip(heads, tails)):
         return None
-    return tuple(torch.cat([_rows_out(h, inverse, prompt_width), t.reshape(rows, -1, t.size(-1))], 1).flatten(0, 1)
-                 for h, t in zip(heads, tails))
+    return tuple(torch.cat([_rows_out(h, inverse, prompt_width), t.reshape(rows, completion_width, -1)], 1)
+                 .flatten(0, 1) for h, t in zip(heads, tails))
 
 
 def _shared_forward(original, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int, **kwargs):
@@ -99,7 +99,7 @@ def _shared_forward(original, input_ids: torch.Tensor, attention_mask: torch.Ten
                     use_cache=True, **routers)
     fields = {}
     if routers:
-        fields["router_logits"] = _router_logits(head, tail, inverse, prompt_width, input_ids.size(0))
+        fields["router_logits"] = _router_logits(head, tail, inverse, first.size(0), prompt_width)
         if fields["router_logits"] is None:
             return None
     # The LM head scores position t with the hidden state of t - 1: the prompt's last position scores the first
