@@ -174,3 +174,48 @@ def test_the_async_generator_samples_as_without_the_speed_features(folders, arch
     assert all(len(c) for c in completions)
     flat, plain = torch.tensor(sum(logps, [])), torch.tensor(sum(plain_logps, []))
     assert ((flat - plain).abs().max() / plain.abs().max()).item() < REL
+
+
+# A reward with spread inside every group of an untrained model (its completion's length), so the step moves the weights.
+LENGTH_REWARD = """
+from grpo.rewards import _text, register_reward
+
+@register_reward("completion_chars")
+def completion_chars(completions, **kwargs):
+    return [float(len(_text(c))) for c in completions]
+"""
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "nemotron_h"])
+def test_two_ranks_stay_one_model(folders, arch, tmp_path):
+    """``grpo run`` under torchrun (2 ranks, gloo) with the defaults: a MoE model with sliding-window layers and TRL's
+    aux loss (shared prompt exact, compaction falling back) and a hybrid Mamba model (shared prompt falling back,
+    compaction on) train 2 steps, and both ranks end with the same weights, changed by training."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.servers import free_port
+    from tests.test_multiprocess import PARAM_DIGEST, rank_param_digests
+
+    folder, data = folders
+    digest_module = tmp_path / "param_digest.py"
+    digest_module.write_text(PARAM_DIGEST + LENGTH_REWARD)
+    digests = tmp_path / "digests.jsonl"
+    overrides = [f"model.name_or_path={folder(arch)}", f"data.source={data}", "data.prompt_format=chat",
+                 "data.num_eval=8", "model.warm_start.steps=0", "grpo.max_completion_length=4", "grpo.max_steps=2",
+                 f"grpo.per_device_train_batch_size={GROUPS * SIZE}", f"grpo.num_generations={SIZE}",
+                 "grpo.save_steps=100", "grpo.temperature=1.5", "grpo.reward_funcs=[completion_chars]",
+                 "evaluation.enabled=false", "sampling.world_size=2", f"output_dir={tmp_path}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "ddp", "--reward-module",
+           str(digest_module)]
+    for item in overrides:
+        cmd += ["--set", item]
+    env = {**os.environ, "PARAM_LOG": str(digests), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    params = rank_param_digests(digests)
+    assert sorted(params["begin"]) == sorted(params["end"]) == [0, 1], params
+    assert len(set(params["begin"].values())) == 1 and len(set(params["end"].values())) == 1, params
+    assert params["end"][0] != params["begin"][0], "training did not change the parameters"
