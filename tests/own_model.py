@@ -1,7 +1,8 @@
-"""A "bring your own model" fixture built offline: a small Qwen2 with a byte-level BPE tokenizer trained here by
-``tokenizers``, a ChatML chat template and no pad token, saved with ``save_pretrained`` to a folder, as a user's
-Hugging Face model folder would be (nothing is downloaded). Also local dataset files for it: TRL's standard format
-(text prompts) and a GSM8K-style file in TRL's conversational format (message-list prompts, ``#### 42`` answers).
+"""A "bring your own model" fixture built offline: a small Qwen2 (or any architecture of :data:`ARCHITECTURES`, the
+ones TRL's own GRPOTrainer suite trains) with a byte-level BPE tokenizer trained here by ``tokenizers``, a ChatML chat
+template and no pad token, saved with ``save_pretrained`` to a folder, as a user's Hugging Face model folder would be
+(nothing is downloaded). Also local dataset files for it: TRL's standard format (text prompts) and a GSM8K-style file
+in TRL's conversational format (message-list prompts, ``#### 42`` answers).
 """
 
 from __future__ import annotations
@@ -90,8 +91,7 @@ ARCHITECTURES: dict[str, dict] = {
     "gpt_oss": {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
                 "layer_types": ["sliding_attention", "full_attention"]},
     "nemotron_h": {"head_dim": 16, "layers_block_type": ["mamba", "attention"], "mamba_num_heads": 4,
-                   "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1, "chunk_size": 16,
-                   "use_mamba_kernels": False},
+                   "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1, "chunk_size": 16},
     "falcon_h1": {"head_dim": 16, "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16,
                   "mamba_chunk_size": 16},
     "qwen3_next": {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 16,
@@ -124,16 +124,23 @@ def build_tokenizer():
     return tokenizer
 
 
+def tiny_config(architecture: str, vocab_size: int, eos_token_id: int | None = None):
+    """The transformers config of ``architecture`` (a key of :data:`ARCHITECTURES`) at the tiny sizes."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(architecture, **{**_ATTENTION, **ARCHITECTURES[architecture]}, vocab_size=vocab_size,
+                                tie_word_embeddings=True, eos_token_id=eos_token_id, bos_token_id=None,
+                                pad_token_id=None)
+
+
 def build_own_model(folder: Path, seed: int = 0, architecture: str = "qwen2") -> Path:
     """Build the tokenizer (:func:`build_tokenizer`) and a randomly initialised tiny model of ``architecture`` (a
     key of :data:`ARCHITECTURES`, a transformers model type) and save both to ``folder``."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     tokenizer = build_tokenizer()
-    config = AutoConfig.for_model(
-        architecture, **{**_ATTENTION, **ARCHITECTURES[architecture]}, vocab_size=len(tokenizer),
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=None)
+    config = tiny_config(architecture, len(tokenizer), tokenizer.eos_token_id)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

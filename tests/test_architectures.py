@@ -176,7 +176,7 @@ def test_the_async_generator_samples_as_without_the_speed_features(folders, arch
     assert ((flat - plain).abs().max() / plain.abs().max()).item() < REL
 
 
-# A reward with spread inside every group of an untrained model (its completion's length), so the step moves the weights.
+# A reward with spread inside every group of an untrained model (its completion's length): the steps move the weights.
 LENGTH_REWARD = """
 from grpo.rewards import _text, register_reward
 
