@@ -115,10 +115,13 @@ def test_gradient_equals_stock_trl(folders, arch, tmp_path):
     assert (unsupported(SHARED_PROMPT_FORWARD, ours.model) is None) == (arch not in RECURRENT)
 
     # A scored batch from our in-process generation (the shared prefill where it applies), with advantages of both
-    # signs and zeros, completions of unequal length and an older policy's log-probs.
+    # signs and zeros, prompts and completions of unequal length and an older policy's log-probs.
     torch.manual_seed(0)
     batch = ours.assemble_generation_batch([data["train"][i] for i in range(GROUPS) for _ in range(SIZE)])
     batch["advantages"] = ADVANTAGES.clone()
+    # The first group's prompt one token shorter, left-padded as TRL pads (the windows then start at other positions).
+    batch["prompt_ids"][:SIZE, 0] = ours.processing_class.pad_token_id
+    batch["prompt_mask"][:SIZE, 0] = 0
     width = batch["completion_mask"].shape[1]
     for i in range(GROUPS * SIZE):
         batch["completion_mask"][i, (i * 3) % width + 1:] = 0
