@@ -89,7 +89,8 @@ ARCHITECTURES: dict[str, dict] = {
     "glm4_moe": {"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                  "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
     "gpt_oss": {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
-                "layer_types": ["sliding_attention", "full_attention"]},
+                "layer_types": ["sliding_attention", "full_attention"],
+                "max_position_embeddings": 131072},  # YaRN's 32 x 4096, as its rope parameters say (no table is made)
     "nemotron_h": {"head_dim": 16, "layers_block_type": ["mamba", "attention"], "mamba_num_heads": 4,
                    "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1, "chunk_size": 16},
     "falcon_h1": {"head_dim": 16, "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16,
