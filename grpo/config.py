@@ -492,11 +492,13 @@ class AsyncSection(_Section):
     """Skip forward/backward of micro-batches whose advantages are all zero (ranks agree)."""
     compact_zero_advantage: bool = True
     """Run each micro-batch's forward/backward on its non-zero-advantage completions only, the loss kept on the full
-    batch's normaliser (exact, every loss type); with grpo.beta > 0 or an entropy option it computes every completion."""
+    batch's normaliser (exact, every loss type); with grpo.beta > 0, an entropy option or a MoE router aux loss it
+    computes every completion."""
     shared_prompt_forward: bool = True
     """Run each group's prompt through the model once per log-prob forward and its completions on the prompt's cached
-    keys/values, instead of prompt + completion per completion (exact; the full forward with gradient checkpointing,
-    multimodal inputs or a MoE aux loss)."""
+    keys/values, instead of prompt + completion per completion (exact, MoE router aux loss included; the full forward
+    with gradient checkpointing, multimodal inputs or a model whose cache holds a recurrent state: Mamba / linear
+    attention)."""
 
 
 class EvaluationConfig(_Section):

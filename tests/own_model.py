@@ -1,7 +1,8 @@
-"""A "bring your own model" fixture built offline: a small Qwen2 with a byte-level BPE tokenizer trained here by
-``tokenizers``, a ChatML chat template and no pad token, saved with ``save_pretrained`` to a folder, as a user's
-Hugging Face model folder would be (nothing is downloaded). Also local dataset files for it: TRL's standard format
-(text prompts) and a GSM8K-style file in TRL's conversational format (message-list prompts, ``#### 42`` answers).
+"""A "bring your own model" fixture built offline: a small Qwen2 (or any architecture of :data:`ARCHITECTURES`, the
+ones TRL's own GRPOTrainer suite trains) with a byte-level BPE tokenizer trained here by ``tokenizers``, a ChatML chat
+template and no pad token, saved with ``save_pretrained`` to a folder, as a user's Hugging Face model folder would be
+(nothing is downloaded). Also local dataset files for it: TRL's standard format (text prompts) and a GSM8K-style file
+in TRL's conversational format (message-list prompts, ``#### 42`` answers).
 """
 
 from __future__ import annotations
@@ -71,16 +72,46 @@ def write_gsm8k_conversational(path: Path, n: int = 120, bad: bool = True) -> Pa
     return path
 
 
-def build_own_model(folder: Path, seed: int = 0) -> Path:
-    """Train the tokenizer on the task's text, build a randomly initialised Qwen2 and save both to ``folder``."""
-    import torch
+# Tiny configs (2 layers, hidden size 64) of the architectures TRL's own GRPOTrainer suite trains, by model type. Each
+# keeps the architecture's distinguishing parts, small: MoE routers and experts, sliding-window layers with a window
+# shorter than a prompt, and for the hybrids one layer of each kind (Mamba / linear attention + attention).
+_ATTENTION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 256}
+ARCHITECTURES: dict[str, dict] = {
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "llama": {},
+    "mistral": {"sliding_window": 6},
+    "gemma": {"head_dim": 16},
+    "gemma2": {"head_dim": 16, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
+    "phi3": {"sliding_window": 6},
+    "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "glm4_moe": {"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                 "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+    "gpt_oss": {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
+                "layer_types": ["sliding_attention", "full_attention"],
+                "max_position_embeddings": 131072},  # YaRN's 32 x 4096, as its rope parameters say (no table is made)
+    "nemotron_h": {"head_dim": 16, "layers_block_type": ["mamba", "attention"], "mamba_num_heads": 4,
+                   "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1, "chunk_size": 16},
+    "falcon_h1": {"head_dim": 16, "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16,
+                  "mamba_chunk_size": 16},
+    "qwen3_next": {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 16,
+                   "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 32},
+}
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer trained here on the tasks' text, with ChatML's special tokens and chat template and
+    no pad token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     corpus = [f"<|im_start|>user\n{r['prompt']}<|im_end|>\n<|im_start|>assistant\n{r['answer']}<|im_end|>"
-              for r in addition_rows(1600, seed=seed + 1)]
+              for r in addition_rows(1600, seed=1)]
     corpus += [f"{r['prompt'][0]['content']} {r['prompt'][1]['content']} {r['answer']}"
-               for r in gsm8k_rows(400, seed=seed + 1)]
+               for r in gsm8k_rows(400, seed=1)]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -91,19 +122,34 @@ def build_own_model(folder: Path, seed: int = 0) -> Path:
                                         unk_token=None, additional_special_tokens=SPECIAL[:2])
     tokenizer.chat_template = CHAT_TEMPLATE
     assert tokenizer.pad_token is None  # the loader's pad-token fallback is what the tests exercise
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=None,
-    )
+    return tokenizer
+
+
+def tiny_config(architecture: str, vocab_size: int, eos_token_id: int | None = None):
+    """The transformers config of ``architecture`` (a key of :data:`ARCHITECTURES`) at the tiny sizes."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(architecture, **{**_ATTENTION, **ARCHITECTURES[architecture]}, vocab_size=vocab_size,
+                                tie_word_embeddings=True, eos_token_id=eos_token_id, bos_token_id=None,
+                                pad_token_id=None)
+
+
+def build_own_model(folder: Path, seed: int = 0, architecture: str = "qwen2") -> Path:
+    """Build the tokenizer (:func:`build_tokenizer`) and a randomly initialised tiny model of ``architecture`` (a
+    key of :data:`ARCHITECTURES`, a transformers model type) and save both to ``folder``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = tiny_config(architecture, len(tokenizer), tokenizer.eos_token_id)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    # Qwen2's tokenizer class defaults to a pad token unless the folder says there is none (as Llama-style folders do).
+    # Some tokenizer classes default to a pad token unless the folder says there is none (as Llama-style folders do).
     config_file = folder / "tokenizer_config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "pad_token": None}, indent=2))
     return folder

@@ -14,6 +14,7 @@ import logging
 import pytest
 import torch
 
+from grpo.training import model_support
 from grpo.training.shared_prompt import shared_prompt_prefill
 
 from tests.test_loss_extensions import LOSS_TYPES, configure, gradients, make_trainer, relative_difference
@@ -129,17 +130,17 @@ def test_without_a_repeated_prompt_the_forward_is_trls(shared):
 def test_gradient_checkpointing_runs_the_full_forward_and_says_so_once(shared, caplog):
     trainer, batch = shared
     trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    trainer._shared_prompt_said = False
+    model_support._said.pop(model_support.causal_lm(trainer.model), None)  # said once per model: forget earlier lines
     try:
-        with caplog.at_level(logging.INFO, logger="grpo.training.shared_prompt"):
+        with caplog.at_level(logging.INFO, logger="grpo.training.model_support"):
             ours, _ = gradient(trainer, batch, shared_prompt=True)
             gradient(trainer, batch, shared_prompt=True)
         full, _ = gradient(trainer, batch, shared_prompt=False)
     finally:
         trainer.model.gradient_checkpointing_disable()
     said = [r.getMessage() for r in caplog.records if "shared_prompt_forward" in r.getMessage()]
-    assert said == ["async.shared_prompt_forward: the full forward runs (gradient checkpointing keeps no cache while "
-                    "training)"]
+    assert said == ["async.shared_prompt_forward: TRL's forward runs for Qwen2ForCausalLM (gradient checkpointing keeps "
+                    "no cache while training)"]
     assert torch.equal(ours, full)
 
 

@@ -77,6 +77,7 @@ def sample_round(model, prompt_ids: list[list[int]], gen: dict) -> tuple[list[li
     for i, p in enumerate(prompt_ids):  # left padding, as TRL generates
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    from grpo.training.model_support import GENERATION_KV_CACHE, applies
     from grpo.training.shared_prompt import shared_prompt_prefill
 
     share = shared_prompt_prefill(model) if gen.get("shared_prompt", True) else contextlib.nullcontext()
@@ -88,7 +89,7 @@ def sample_round(model, prompt_ids: list[list[int]], gen: dict) -> tuple[list[li
             # The policy's config says use_cache false (transformers' Trainer turns it off for training, and the
             # generator's copy is saved from it): without the KV cache every new token re-ran the whole sequence,
             # 2x slower on the 4-token default task and 9x on addition_cot's 20 tokens (2.5 s vs 0.28 s a round).
-            use_cache=True,
+            use_cache=applies(GENERATION_KV_CACHE, model),
         )
     seqs = out.sequences[:, width:]
     logps = torch.stack([torch.log_softmax(l.float() / gen["temperature"], -1) for l in out.logits], 1)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo.training.model_support import GENERATION_KV_CACHE, applies
 from grpo.training.prompts import prompt_texts
 
 
@@ -63,7 +64,8 @@ def generate_completions(
                 num_return_sequences=num_return_sequences,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
-                use_cache=True,  # a trained policy's config says false (transformers' Trainer turns it off)
+                # A trained policy's config says false (transformers' Trainer turns it off); the cache is the model's own
+                use_cache=applies(GENERATION_KV_CACHE, model),
             )
             texts = tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             for i in range(len(batch)):

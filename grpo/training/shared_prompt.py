@@ -16,9 +16,12 @@ the share is the prompt's share of a sequence times (1 - 1/num_generations).
 
 How: the trainer calls ``model(input_ids, attention_mask, labels, fused_lm_head=True)`` through DDP/PEFT wrappers as
 always (one DDP forward), and for that call only the backbone's ``forward`` is swapped for :func:`_shared_forward`,
-which returns the hidden states the LM head scores. Where it does not apply it calls the backbone as TRL does: no
-prompt is repeated in the rows, multimodal or extra model inputs, a MoE aux loss, gradient checkpointing (no cache
-while training), or a backbone that returns no cache; the reason is logged once.
+which returns the hidden states the LM head scores (and, for a MoE model, every layer's router logits: the prompt's
+indexed out to its rows like its keys/values, so TRL's load-balancing aux loss is the repeated forward's). Where it
+does not apply it calls the backbone as TRL does: a model whose cache cannot be shared (recurrent-state layers:
+Mamba / linear attention; :func:`grpo.training.model_support.unsupported` decides per model), no prompt repeated in
+the rows, multimodal or extra model inputs, gradient checkpointing (no cache while training); the reason is logged
+once.
 
 Generation (:func:`shared_prompt_prefill`, TRL's in-process generate and the CPU async generator) does the same for
 the prefill: the distinct prompts fill the cache, which is indexed out to the rows before the first token is sampled;
@@ -28,15 +31,14 @@ the logits are the same, so are the random draws.
 from __future__ import annotations
 
 import contextlib
-import logging
-from typing import Any
 
 import torch
 
-_log = logging.getLogger(__name__)
+from grpo.training.model_support import SHARED_PROMPT_FORWARD, applies, backbone, say_once
 
 # Keyword arguments TRL's fused forward and PEFT's wrapper pass whatever their value; any other must be None/False.
-_PASSED_THROUGH = {"use_cache", "return_dict"}
+# ``output_router_logits`` is reproduced: the prompt's router logits are indexed out to its rows (_rows_out).
+_PASSED_THROUGH = {"use_cache", "return_dict", "output_router_logits"}
 
 
 def _distinct_rows(*columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,39 +56,65 @@ def _only_neutral(kwargs: dict) -> bool:
     return all(v in (None, False) for k, v in kwargs.items() if k not in _PASSED_THROUGH)
 
 
+def _rows_out(per_token: torch.Tensor, inverse: torch.Tensor, width: int) -> torch.Tensor:
+    """A router's logits for the distinct rows (``(distinct * width, experts)``, token-major as the routers flatten
+    them) indexed out to every row: ``(rows, width, experts)``."""
+    return per_token.reshape(-1, width, per_token.size(-1))[inverse]
+
+
+def _router_logits(head, tail, inverse: torch.Tensor, distinct: int, prompt_width: int) -> tuple | None:
+    """Every layer's router logits for the full rows (prompt + completion, flattened token-major as the repeated
+    forward's), from the ``distinct`` prompts' (``head``) and the completions' (``tail``); ``None`` where the routers'
+    outputs do not have that shape (the caller then runs the full forward)."""
+    heads, tails = getattr(head, "router_logits", None), getattr(tail, "router_logits", None)
+    if heads is None or tails is None or len(heads) != len(tails):
+        return None
+    rows, completion_width = tail.last_hidden_state.shape[:2]
+    if any(h.dim() != 2 or h.size(0) != distinct * prompt_width or t.dim() != 2 or t.size(0) != rows * completion_width
+           for h, t in zip(heads, tails)):
+        return None
+    return tuple(torch.cat([_rows_out(h, inverse, prompt_width), t.reshape(rows, completion_width, -1)], 1)
+                 .flatten(0, 1) for h, t in zip(heads, tails))
+
+
 def _shared_forward(original, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int, **kwargs):
     """The backbone's output for ``input_ids`` (prompt of ``prompt_width`` columns + completion) with each distinct
     prompt computed once, and the number of distinct prompts; ``None`` where it does not apply (the caller then runs
-    the full forward)."""
-    from transformers.modeling_outputs import BaseModelOutputWithPast
-
+    the full forward). With ``output_router_logits`` (TRL's MoE aux loss) the output carries every layer's router
+    logits for all rows and positions, as the repeated forward's does."""
     if not _only_neutral(kwargs) or not 0 < prompt_width < input_ids.size(1):
         return None
     first, inverse = _distinct_rows(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
     if first.size(0) == input_ids.size(0):
         return None
+    routers = {"output_router_logits": True} if kwargs.get("output_router_logits") else {}
     head = original(input_ids=input_ids[first, :prompt_width], attention_mask=attention_mask[first, :prompt_width],
-                    use_cache=True)
+                    use_cache=True, **routers)
     cache = head.past_key_values
     if cache is None or not hasattr(cache, "layers"):
         return None
     for layer in cache.layers:  # each row gets its prompt's keys/values (differentiable indexing)
         layer.batch_select_indices(inverse)
     tail = original(input_ids=input_ids[:, prompt_width:], attention_mask=attention_mask, past_key_values=cache,
-                    use_cache=True)
+                    use_cache=True, **routers)
+    fields = {}
+    if routers:
+        fields["router_logits"] = _router_logits(head, tail, inverse, first.size(0), prompt_width)
+        if fields["router_logits"] is None:
+            return None
     # The LM head scores position t with the hidden state of t - 1: the prompt's last position scores the first
     # completion token. Earlier prompt positions score nothing (their labels are -100), so they stay zero.
     hidden = head.last_hidden_state
     filler = hidden.new_zeros(input_ids.size(0), prompt_width - 1, hidden.size(-1))
-    out = BaseModelOutputWithPast(last_hidden_state=torch.cat([filler, hidden[inverse, -1:], tail.last_hidden_state], 1))
-    return out, first.size(0)
+    hidden = torch.cat([filler, hidden[inverse, -1:], tail.last_hidden_state], 1)
+    # The backbone's own output class: a MoE causal LM reads ``router_logits`` from it whatever its value.
+    return type(tail)(last_hidden_state=hidden, **fields), first.size(0)
 
 
 def _shared_prefill(original, input_ids, attention_mask, past_key_values, position_ids=None, **kwargs):
     """Generation's first forward (the prompts into an empty cache) with each distinct prompt computed once: the
     cache and the hidden states are indexed out to the rows; ``None`` where it does not apply."""
     from transformers.cache_utils import DynamicCache
-    from transformers.modeling_outputs import BaseModelOutputWithPast
 
     if (not isinstance(past_key_values, DynamicCache) or past_key_values.get_seq_length() != 0
             or (attention_mask is not None and attention_mask.dim() != 2)  # None: no padding anywhere
@@ -106,23 +134,12 @@ def _shared_prefill(original, input_ids, attention_mask, past_key_values, positi
                    position_ids=None if position_ids is None else position_ids[first], **kwargs)
     for layer in past_key_values.layers:
         layer.batch_select_indices(inverse)
-    return BaseModelOutputWithPast(last_hidden_state=out.last_hidden_state[inverse], past_key_values=past_key_values)
-
-
-def _causal_lm(model) -> Any:
-    """The transformers causal LM under DDP / accelerate / PEFT wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    if hasattr(model, "get_base_model"):  # peft: LoRA layers are in place inside the base model
-        model = model.get_base_model()
-    return model
-
-
-def _backbone(model) -> Any:
-    """The decoder stack under the causal LM's head (``base_model``), or ``None`` for a model without one."""
-    lm = _causal_lm(model)
-    backbone = getattr(lm, "base_model", None)
-    return None if backbone is lm else backbone
+    fields = {}
+    routers = getattr(out, "router_logits", None)  # generation does not use them; kept row for row where they fit
+    if routers is not None and all(r.dim() == 2 and r.size(0) == first.size(0) * input_ids.size(1) for r in routers):
+        fields["router_logits"] = tuple(_rows_out(r, inverse, input_ids.size(1)).flatten(0, 1) for r in routers)
+    # The backbone's own output class: a MoE causal LM reads ``router_logits`` from it whatever its value.
+    return type(out)(last_hidden_state=out.last_hidden_state[inverse], past_key_values=past_key_values, **fields)
 
 
 @contextlib.contextmanager
@@ -150,9 +167,9 @@ def _swapped_forward(backbone, shared):
 def shared_prompt_prefill(model):
     """Inside the block, generation with ``model`` (any wrapper) prefills each distinct prompt once: GRPO asks for
     ``num_generations`` samples of every prompt, and their prefill is the same computation. Sampling is unchanged
-    (the same logits, the same random draws)."""
-    backbone = _backbone(model)
-    if backbone is None:
+    (the same logits, the same random draws). A model whose cache cannot be shared
+    (:func:`grpo.training.model_support.unsupported`) generates as it would without the block, which is logged once."""
+    if not applies(SHARED_PROMPT_FORWARD, model):
         return contextlib.nullcontext()
 
     def prefill(original, input_ids=None, attention_mask=None, past_key_values=None, **kwargs):
@@ -160,7 +177,7 @@ def shared_prompt_prefill(model):
             return None
         return _shared_prefill(original, input_ids, attention_mask, past_key_values, **kwargs)
 
-    return _swapped_forward(backbone, prefill)
+    return _swapped_forward(backbone(model), prefill)
 
 
 class SharedPromptForward:
@@ -173,29 +190,26 @@ class SharedPromptForward:
         return exp is not None and exp.async_.shared_prompt_forward
 
     def _shared_prompt_unavailable(self, model, kwargs: dict) -> str | None:
-        """Why the shared-prompt forward cannot run for this call, or ``None``."""
+        """Why the shared-prompt forward cannot run for this call, or ``None``: the model's (logged once by
+        :func:`~grpo.training.model_support.applies`, and then ``"model"``), or this call's."""
         if not self._shares_prompts:
             return "off"
-        if kwargs.get("compute_aux_loss"):
-            return "a MoE router aux loss is computed"
+        if not applies(SHARED_PROMPT_FORWARD, model):
+            return "model"
         if any(v is not None for k, v in kwargs.items() if k not in ("batch_size", "compute_entropy", "compute_aux_loss")):
             return "the model takes image or token-type inputs"
-        backbone = _backbone(model)
-        if backbone is None:
-            return f"{type(_causal_lm(model)).__name__} has no separate backbone"
-        if getattr(backbone, "gradient_checkpointing", False) and torch.is_grad_enabled():
+        if getattr(backbone(model), "gradient_checkpointing", False) and torch.is_grad_enabled():
             return "gradient checkpointing keeps no cache while training"
         return None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **kwargs):
-        why = self._shared_prompt_unavailable(model, {"compute_aux_loss": compute_aux_loss, **kwargs})
+        why = self._shared_prompt_unavailable(model, kwargs)
         if why is None:
             context = self._sharing_prompts(model, input_ids.size(1) - logits_to_keep)
         else:
-            if why != "off" and not getattr(self, "_shared_prompt_said", False):
-                _log.info("async.shared_prompt_forward: the full forward runs (%s)", why)
-                self._shared_prompt_said = True
+            if why not in ("off", "model"):
+                say_once(SHARED_PROMPT_FORWARD, model, why)
             context = contextlib.nullcontext()
         with context:
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
@@ -224,7 +238,7 @@ class SharedPromptForward:
             counts["prompts"] += out[1]
             return out[0]
 
-        with _swapped_forward(_backbone(model), shared):
+        with _swapped_forward(backbone(model), shared):
             yield
         if counts["rows"] and torch.is_grad_enabled():
             self._record("shared_prompt/prompt_forwards_frac", counts["prompts"] / counts["rows"])

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from grpo.training.model_support import COMPACT_ZERO_ADVANTAGE, unsupported
+
 _log = logging.getLogger(__name__)
 
 # Per loss type (TRL 1.16's ``_compute_loss``), what the micro-batch's policy loss is divided by:
@@ -127,9 +129,9 @@ class ZeroAdvantageSkip:
         A dropped zero-advantage row still changes TRL's loss through: the KL term (``beta > 0``: its gradient does
         not vanish with the advantage), the entropy bonus (``entropy_coef``, ``use_adaptive_entropy``: a token mean
         over every row, and the adaptive controller's entropy window), the high-entropy token mask
-        (``top_entropy_quantile < 1``: one quantile over every row of every rank), a MoE router's auxiliary loss
-        (over every token), and images (split by grid, not by row). A loss type outside TRL 1.16's eight has no
-        known normaliser. Everything else TRL's loss reads is per row and exact: the importance-sampling ratio (token
+        (``top_entropy_quantile < 1``: one quantile over every row of every rank), what the model adds over every
+        token (a MoE router's auxiliary loss: :func:`grpo.training.model_support.unsupported`), and images (split by
+        grid, not by row). A loss type outside TRL 1.16's eight has no known normaliser. Everything else TRL's loss reads is per row and exact: the importance-sampling ratio (token
         or sequence level, ``delta``), the off-policy sequence mask (OPSM), vLLM's importance-sampling correction,
         VESPO's gamma weights, the platform's off-policy weights.
         """
@@ -139,8 +141,10 @@ class ZeroAdvantageSkip:
             return "entropy_coef / use_adaptive_entropy (the entropy bonus is a mean over every completion)"
         if self.top_entropy_quantile < 1.0:
             return "top_entropy_quantile < 1 (the entropy threshold is a quantile over every completion)"
-        if getattr(self, "aux_loss_enabled", False):
-            return "a router auxiliary loss (over every token)"
+        model_reason = unsupported(COMPACT_ZERO_ADVANTAGE, self.model,
+                                   router_aux_loss=getattr(self, "aux_loss_enabled", False))
+        if model_reason is not None:
+            return model_reason
         if self.loss_type not in (*ROW_COUNT_NORMALISED, *TOKEN_COUNT_NORMALISED, *GLOBAL_TOKEN_NORMALISED):
             return f"loss_type {self.loss_type!r} (no known normaliser)"
         if any(inputs.get(k) is not None for k in _MULTIMODAL):
