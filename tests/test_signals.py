@@ -115,14 +115,16 @@ def test_served_runs_are_confined_to_the_allowed_roots(prefect_server, tmp_path)
 # ---------------------------------------------------------------- #12.5 Ctrl-C, #12.6 SIGTERM
 
 
-def _start_run(tmp_path: Path, mlflow_uri: str, name: str) -> tuple[subprocess.Popen, Path]:
+def _start_run(tmp_path: Path, mlflow_uri: str, name: str, prefect_api: str | None = None
+               ) -> tuple[subprocess.Popen, Path]:
     """`grpo run` (micro sized, many steps) as the leader of its own process group, on the embedded Prefect server
-    (own PREFECT_HOME, so its database can be read afterwards), tracked on the session's MLflow server."""
+    (own PREFECT_HOME, so its database can be read afterwards) or the one at ``prefect_api``, tracked on the
+    session's MLflow server."""
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PYTHONUNBUFFERED="1",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", **({"PREFECT_API_URL": prefect_api} if prefect_api else {}))
     # save_steps beyond the run: the only checkpoint is the one the interrupt saves
     sets = [f"output_dir={tmp_path}", "grpo.max_steps=400", "grpo.logging_steps=1", "grpo.save_steps=1000",
             "tracking.backend=mlflow", f"tracking.tracking_uri={mlflow_uri}", "tracking.experiment_name=signals",
@@ -251,6 +253,24 @@ def test_sigterm_to_the_cli_leaves_no_server_behind(tmp_path, mlflow_server):
     assert _pipeline_state(tmp_path / "prefect-home") == "CANCELLED"
     assert _mlflow_status(mlflow_server.uri, tmp_path / "term") == "KILLED"
     _assert_checkpointed_where_it_stopped(tmp_path / "term", out)
+
+
+def test_cancel_in_the_prefect_ui_stops_a_run_started_from_the_cli(tmp_path, mlflow_server, prefect_server):
+    """#31: Cancel on a `grpo run` flow run in the UI only marked it Cancelling while training went on (no runner
+    supervises the CLI's own flow run). Now the CLI stops as on SIGTERM: checkpoint at the current step, MLflow run
+    KILLED, flow run Cancelled, exit 143. The run has 400 steps; the cancel is sent at its first logged one."""
+    s = prefect_server
+    proc, out = _start_run(tmp_path, mlflow_server.uri, "ui-cancel", prefect_api=s.url)
+    _wait_first_step(proc, tmp_path / "ui-cancel", out)
+    runs = s.post("flow_runs/filter", {"flows": {"name": {"any_": ["grpo-pipeline"]}},
+                                       "flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}}).json()
+    [run] = [r for r in runs if r["parameters"].get("run_name") == "ui-cancel"]
+    s.post(f"flow_runs/{run['id']}/set_state", {"state": {"type": "CANCELLING", "name": "Cancelling"}})  # the UI's
+    _wait_exit(proc, out, 180, "the cancel")
+    assert proc.returncode == 143, out.read_text()[-3000:]
+    assert s.get(f"flow_runs/{run['id']}")["state"]["type"] == "CANCELLED"
+    assert _mlflow_status(mlflow_server.uri, tmp_path / "ui-cancel") == "KILLED"
+    _assert_checkpointed_where_it_stopped(tmp_path / "ui-cancel", out)
 
 
 SERVER_OWNER = """
