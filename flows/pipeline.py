@@ -196,8 +196,16 @@ def grpo_pipeline(
 
     tags = {"prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": flow_run_name,
             "prefect.deployment": _deployment_name(), "prefect.ui_url": _ui_url(flow_run_id), **(given(tracking_tags) or {})}
-    return run_recipe(config, run, PrefectStages(), resume=resume, log=logger.info, tags=tags,
-                      summary_extra={"prefect_flow_run_id": flow_run_id})
+    try:
+        return run_recipe(config, run, PrefectStages(), resume=resume, log=logger.info, tags=tags,
+                          summary_extra={"prefect_flow_run_id": flow_run_id})
+    except BaseException as err:
+        # Cancel in the UI (the runner's SIGTERM) or Ctrl-C: the run ends Cancelled, not Crashed; a caller in Python
+        # (the CLI) gets the signal's exception itself and exits 130 / 143
+        signal_name = _stop_signal(err)
+        if signal_name is None:
+            raise
+        return Cancelled(message=stopped_message(run, signal_name), data=err)
 
 
 def mlflow_run_url(tracking_uri: str, experiment_id: str | None, run_id: str) -> str:
