@@ -11,11 +11,12 @@ import torch
 from grpo.config import load_config
 from grpo.pipeline.data import load_data
 from grpo.pipeline.experiment import run_experiment
-from grpo.rewards import get_reward, register_reward
+from grpo.rewards import get_reward
 from grpo.runs import open_run_dir
 from grpo.training.policy import load_policy
 from grpo.training.train import grpo_args
 from grpo.training.trainer import GRPOTrainer
+from tests import deterministic_rewards  # noqa: F401 - registers completion_length
 from tests.conftest import MICRO, micro_overrides
 
 
@@ -118,13 +119,6 @@ def test_weights_from_the_training_forward_equal_an_extra_pass_with_one_forward_
     assert forwards == [1]
     assert torch.allclose(deferred["advantages"], eager["advantages"], rtol=1e-5, atol=1e-6)
     assert not torch.equal(eager["advantages"], batch["advantages"].unsqueeze(1).expand(n, t))  # weights not all 1
-
-
-@register_reward("completion_length")
-def completion_length(completions, **kwargs) -> list[float]:
-    """A reward that differs within nearly every group of the micro run (completions of 1-4 characters), so every
-    step has non-zero advantages and really moves the policy."""
-    return [float(len(c)) for c in completions]
 
 
 @pytest.mark.integration
