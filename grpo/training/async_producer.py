@@ -114,10 +114,15 @@ def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int, lora=None,
     Messages are handled strictly in the order they were sent (one pipe, one FIFO sender): a round is sampled with
     the last weights sent before it, and rounds draw from one seeded RNG stream in submission order. So the version
     and the tokens of every round follow from the config and the seed, however fast either side runs."""
+    import signal
+
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    # Ctrl-C reaches the whole process group; it belongs to the trainer, which finishes its step (it may still need a
+    # round from here), saves, and closes this process (as the reward workers do).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     hf_logging.disable_progress_bar()  # a fresh process: no "Loading weights" bar in the trainer's console
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
