@@ -3,9 +3,9 @@
 ``completion_length`` differs within nearly every group of the micro run, so every step has non-zero advantages and
 moves the policy (a run whose policy never moves can not show that a schedule or an order is wrong).
 ``completion_length_slow_worker`` is the same reward with one worker process made slow on purpose: with
-``$SLOW_REWARD_DIR`` set, the process whose pid is in the file ``slow-pid`` there (else the first process that scores:
-an exclusively created file) waits, for each shard it scores, until the other worker has finished its shard of the
-same batch (a marker file), so the other shard always finishes first -- forced, not left to timing.
+``$SLOW_REWARD_DIR`` set, the reward pool's first worker (the earliest started of the trainer's spawned workers: the
+one that always gets the batch's first shard) waits, for each shard it scores, until the other worker has finished
+its shard of the same batch (a marker file), so the first shard always arrives last -- forced, not left to timing.
 """
 
 from __future__ import annotations
@@ -29,16 +29,15 @@ def completion_length(completions, **kwargs) -> list[float]:
     return _length(completions)
 
 
-def _is_the_slow_process(directory: Path) -> bool:
+def _is_the_slow_process() -> bool:
+    """Whether this process is the earliest started of its parent's spawned children (the pool starts its workers in
+    order, and worker 0 gets shard 0)."""
     global _SLOW
-    if _SLOW is None and (directory / "slow-pid").is_file():
-        _SLOW = int((directory / "slow-pid").read_text()) == os.getpid()
     if _SLOW is None:
-        try:
-            os.close(os.open(directory / "slow-worker", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            _SLOW = True
-        except FileExistsError:
-            _SLOW = False
+        import psutil
+
+        workers = [p for p in psutil.Process(os.getppid()).children() if "spawn_main" in " ".join(p.cmdline())]
+        _SLOW = min(workers, key=lambda p: (p.create_time(), p.pid)).pid == os.getpid()
     return _SLOW
 
 
@@ -52,14 +51,14 @@ def completion_length_slow_worker(completions, **kwargs) -> list[float]:
         return values
     directory = Path(directory)
     _CALLS += 1
-    if _is_the_slow_process(directory):
+    if _is_the_slow_process():
         other = directory / f"done-{_CALLS}"
         deadline = time.monotonic() + 120
         while not other.exists():  # the other worker's shard of this batch is scored first
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no other reward worker finished its shard of batch {_CALLS}")
             time.sleep(0.01)
-        (directory / f"slow-done-{_CALLS}").touch()
+        (directory / f"slow-done-{_CALLS}").write_text(str(os.getpid()))
     else:
         (directory / f"done-{_CALLS}").touch()
     return values

@@ -191,7 +191,8 @@ def _computed(rows: list[dict]) -> list[dict]:
 def test_a_slow_generator_and_a_slow_reward_worker_change_nothing_but_timing(tmp_path, monkeypatch):
     """#28: the same async config and seed twice, once with the generator sleeping before every round (the trainer
     then waits for every prefetched round, and weight pushes queue up behind requests) and one of the two reward
-    workers finishing every batch after the other (streamed scoring), once at full speed: the same rewards,
+    workers (the one holding the first shard) finishing every batch after the other (streamed scoring), once at full
+    speed: the same rewards,
     staleness per step, importance-sampling statistics and final weights, byte for byte. Each round's policy version
     follows from prefetch_depth 2 and vllm_sync_interval 1 alone: round 0 generated now, rounds 1-2 submitted at step
     0 behind the first weights, round k >= 3 submitted at step k-2 behind the push of step k-2 (staleness 2)."""
@@ -216,7 +217,7 @@ def test_a_slow_generator_and_a_slow_reward_worker_change_nothing_but_timing(tmp
     fast, fast_rows, none = run("fast", slow=False)
     slow, slow_rows, markers = run("slow", slow=True)
     assert none == []
-    # the forced state: in every scored batch (2 chunks a step x 6 steps) the slowed worker finished second
+    # the forced state: in every scored batch (2 chunks a step x 6 steps) the first shard's worker finished second
     assert sum(m.startswith("slow-done-") for m in markers) == 12, markers
     staleness = [r["async/staleness_max"] for r in fast_rows if "async/staleness_max" in r]
     assert staleness == [0, 1, 2, 2, 2, 2], staleness
