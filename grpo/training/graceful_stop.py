@@ -95,6 +95,8 @@ def stop_at_step_end(callback: StopAtStepEnd) -> Iterator[None]:
     previous = {s: signal.getsignal(s) for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
 
     def on_signal(signum: int, frame) -> None:
+        if several_ranks and callback.stopped_by_another_rank:  # stopping already: the launcher's SIGTERM
+            return
         if callback.signum is not None:
             if several_ranks:  # the launcher's forward of the same Ctrl-C, or its SIGTERM once a rank has exited
                 return
@@ -112,6 +114,10 @@ def stop_at_step_end(callback: StopAtStepEnd) -> Iterator[None]:
         signal.signal(s, on_signal)
     try:
         yield
+        if several_ranks and (callback.signum is not None or callback.stopped_by_another_rank):
+            # No rank exits before every rank has written its part of the checkpoint: torchrun stops the others as
+            # soon as one exits. The handlers stay in place until then.
+            distributed.barrier()
     finally:
         _restore(previous)
     if callback.signum is not None:
