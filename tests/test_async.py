@@ -180,8 +180,8 @@ def test_future_rounds_are_read_once_in_order_and_a_resumed_run_skips_without_to
 
 # What a run computes, step by step: everything in metrics.jsonl except wall-clock timings (async/*_s, step_time,
 # streaming/reward_*_s, rewards/pool_seconds, throughput figures).
-_COMPUTED = ("reward", "rewards/completion_length", "async/staleness", "async/dropped_stale", "sampling/", "loss",
-             "grad_norm", "completions/", "entropy", "num_tokens", "frac_reward_zero_std")
+_COMPUTED = ("reward", "async/staleness", "async/dropped_stale", "sampling/", "loss", "grad_norm", "completions/",
+             "entropy", "num_tokens", "frac_reward_zero_std")
 
 
 def _computed(rows: list[dict]) -> list[dict]:
