@@ -185,7 +185,7 @@ _COMPUTED = ("reward", "async/staleness", "async/dropped_stale", "sampling/", "l
 
 
 def _computed(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k.startswith(_COMPUTED) and not k.endswith("_s")} for r in rows]
+    return [{k: v for k, v in r.items() if k.startswith(_COMPUTED) and not k.endswith(("_s", "_seconds"))} for r in rows]
 
 
 def test_a_slow_generator_and_a_slow_reward_worker_change_nothing_but_timing(tmp_path, monkeypatch):
