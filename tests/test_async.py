@@ -176,3 +176,52 @@ def test_future_rounds_are_read_once_in_order_and_a_resumed_run_skips_without_to
     assert trainer._future_round_prompt_ids(2) is None  # already read: generated on demand instead
     assert trainer._future_round_prompt_ids(4) == in_order[4]
     assert not [k for k, v in vars(trainer).items() if k.startswith("_round") and isinstance(v, (list, dict))]
+
+
+# What a run computes, step by step: everything in metrics.jsonl except wall-clock timings (async/*_s, step_time,
+# streaming/reward_*_s, rewards/pool_seconds, throughput figures).
+_COMPUTED = ("reward", "async/staleness", "async/dropped_stale", "sampling/", "loss", "grad_norm", "completions/",
+             "entropy", "num_tokens", "frac_reward_zero_std")
+
+
+def _computed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k.startswith(_COMPUTED) and not k.endswith(("_s", "_seconds"))} for r in rows]
+
+
+def test_a_slow_generator_and_a_slow_reward_worker_change_nothing_but_timing(tmp_path, monkeypatch):
+    """#28: the same async config and seed twice, once with the generator sleeping before every round (the trainer
+    then waits for every prefetched round, and weight pushes queue up behind requests) and one of the two reward
+    workers (the one holding the first shard) finishing every batch after the other (streamed scoring), once at full
+    speed: the same rewards,
+    staleness per step, importance-sampling statistics and final weights, byte for byte. Each round's policy version
+    follows from prefetch_depth 2 and vllm_sync_interval 1 alone: round 0 generated now, rounds 1-2 submitted at step
+    0 behind the first weights, round k >= 3 submitted at step k-2 behind the push of step k-2 (staleness 2)."""
+    from tests import deterministic_rewards  # noqa: F401 - registers the rewards
+    from grpo.training.async_producer import TEST_DELAY_ENV
+
+    def run(name: str, slow: bool):
+        slow_dir = tmp_path / f"slow-{name}"
+        slow_dir.mkdir()
+        with monkeypatch.context() as m:
+            if slow:
+                m.setenv(TEST_DELAY_ENV, "0.5")
+                m.setenv("SLOW_REWARD_DIR", str(slow_dir))
+            out, summary, rows = async_run(tmp_path, name, **{
+                "async.prefetch_depth": 2, "async.vllm_sync_interval": 1, "async.max_staleness": 2,
+                "async.vllm_importance_sampling_correction": "true", "grpo.max_steps": 6,
+                "grpo.reward_funcs": "[completion_length_slow_worker]", "async.reward_num_workers": 2,
+                "async.streaming_partial_batch": "true", "async.streaming_min_groups": 2})
+        assert summary["steps"] == 6
+        return out, rows, sorted(p.name for p in slow_dir.iterdir())
+
+    fast, fast_rows, none = run("fast", slow=False)
+    slow, slow_rows, markers = run("slow", slow=True)
+    assert none == []
+    # the forced state: in every scored batch (2 chunks a step x 6 steps) the first shard's worker finished second
+    assert sum(m.startswith("slow-done-") for m in markers) == 12, markers
+    staleness = [r["async/staleness_max"] for r in fast_rows if "async/staleness_max" in r]
+    assert staleness == [0, 1, 2, 2, 2, 2], staleness
+    assert all(r["grad_norm"] > 0 for r in fast_rows if "grad_norm" in r)  # the policy moves: versions differ
+    assert _computed(slow_rows) == _computed(fast_rows)
+    weights = [(d.model_dir / "model.safetensors").read_bytes() for d in (fast, slow)]
+    assert weights[0] == weights[1]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -493,3 +495,146 @@ def test_two_nodes_c10d_rendezvous_with_the_toolkit(tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(o[-2000:] for o in outputs)
     summary = json.loads((tmp_path / "two-nodes" / "summary.json").read_text())
     assert summary["steps"] == 3
+
+
+# Loaded into every rank with --reward-module: at the end of step $HOLD_AT_STEP each rank writes $HOLD_DIR/holding-<rank>
+# and waits for $HOLD_DIR/go, which lists the ranks the test has signalled; a listed rank then also waits until its
+# handler has seen the signal. So the signal arrives inside that step, on every run, however fast the ranks are.
+# (Added in Trainer.__init__, so it runs before the platform's StopAtStepEnd, added after construction.)
+HOLD_AT_STEP = """
+import os, time
+from pathlib import Path
+import transformers
+from transformers import TrainerCallback
+
+class HoldAtStep(TrainerCallback):
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != int(os.environ["HOLD_AT_STEP"]):
+            return
+        hold, rank = Path(os.environ["HOLD_DIR"]), int(os.environ.get("RANK", 0))
+        (hold / f"holding-{rank}").touch()
+        while not (hold / "go").exists():
+            time.sleep(0.05)
+        if str(rank) in (hold / "go").read_text().split():
+            from grpo.training.graceful_stop import StopAtStepEnd
+
+            stop = next(c for c in self.trainer.callback_handler.callbacks if isinstance(c, StopAtStepEnd))
+            while stop.signum is None:
+                time.sleep(0.05)
+
+_init = transformers.Trainer.__init__
+
+def _init_with_hold(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    self.add_callback(HoldAtStep(self))
+
+transformers.Trainer.__init__ = _init_with_hold
+"""
+
+
+LENGTH_REWARD = """
+from grpo.rewards import register_reward
+
+@register_reward("completion_length")
+def completion_length(completions, **kwargs):
+    return [float(len(c)) for c in completions]  # differs within groups: every step moves the policy
+"""
+
+
+def _torchrun(tmp_path: Path, name: str, *modules: str, resume: bool = False, env: dict | None = None
+              ) -> tuple[subprocess.Popen, Path]:
+    """``grpo run`` of the micro config (4 steps, no save_steps checkpoint) on 2 gloo ranks under torchrun, leader of
+    its own process group; returns the process and its output file."""
+    (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           # the launcher's hard stop after it forwards a signal: far beyond a step and a save on a loaded machine
+           "--shutdown_timeout", "600",
+           "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", name, *(["--resume"] if resume else []),
+           "--reward-module", str(tmp_path / "length_reward.py"), *(a for m in modules for a in ("--reward-module", m))]
+    for item in micro_overrides(tmp_path, **{
+            "sampling.world_size": 2, "grpo.max_steps": 4, "grpo.per_device_train_batch_size": 8,
+            "grpo.num_generations": 4, "grpo.save_steps": 100, "grpo.logging_steps": 1,
+            "grpo.reward_funcs": "[completion_length]", "evaluation.enabled": "false"}):
+        cmd += ["--set", item]
+    out = tmp_path / f"{name}{'-resumed' if resume else ''}.out"
+    with out.open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, out
+
+
+def _finish(proc: subprocess.Popen, out: Path, timeout: float = 900) -> tuple[int, str]:
+    """Wait for the launch to end (killing its group past ``timeout``); its exit code and output."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return proc.returncode, out.read_text()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_2_rank_run(tmp_path_factory) -> bytes:
+    """The final weights of the 4-step 2-rank run, never interrupted."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    code, out = _finish(*_torchrun(tmp_path, "whole"))
+    assert code == 0, out[-3000:]
+    return (tmp_path / "whole" / "model" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("to", ["rank 1", "the whole group"])
+def test_torchrun_ranks_agree_on_the_interrupted_step_all_save_it_and_resume_exactly(tmp_path, to,
+                                                                                      uninterrupted_2_rank_run):
+    """#28: SIGINT to one rank (rank 1: rank 0, which writes the model, never sees it) or to the launcher's whole
+    process group (Ctrl-C: each rank gets it from the terminal and again from torchrun) inside step 2 of 4. The ranks
+    agree on step 2 (an all-reduce of the stop flag at the step end), both save checkpoint-2 (each its RNG state),
+    the run ends interrupted on every rank, and ``--resume`` under torchrun ends with exactly the weights of the
+    uninterrupted run. Before, a signal stopped a multi-process run at once, and the resume point was the last
+    save_steps checkpoint (none here)."""
+    import psutil
+
+    (tmp_path / "hold.py").write_text(HOLD_AT_STEP)
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    proc, log = _torchrun(tmp_path, "stopped", str(tmp_path / "hold.py"), env={"HOLD_AT_STEP": "2", "HOLD_DIR": str(hold)})
+    deadline = time.monotonic() + 900
+    while not ((hold / "holding-0").exists() and (hold / "holding-1").exists()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the ranks never reached step 2 (exit {proc.poll()}):\n{_finish(proc, log, 0)[1][-3000:]}")
+        time.sleep(0.2)
+    ranks = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(proc.pid).children(recursive=True)
+             if "grpo.app.cli" in " ".join(p.cmdline()) and "torch.distributed.run" not in " ".join(p.cmdline())}
+    assert sorted(ranks) == [0, 1], ranks
+    if to == "rank 1":
+        ranks[1].send_signal(signal.SIGINT)
+        signalled = "1"
+    else:
+        os.killpg(proc.pid, signal.SIGINT)
+        signalled = "0 1"
+    (hold / "go.tmp").write_text(signalled)
+    (hold / "go.tmp").rename(hold / "go")
+    code, out = _finish(proc, log)
+    assert code != 0, out[-3000:]  # the run ended interrupted (every rank exits 130)
+    run_dir = tmp_path / "stopped"
+    assert out.count("saving a checkpoint at the end of this step") == len(signalled.split()), out[-3000:]
+    assert "exitcode  : 130" in out or to == "the whole group", out[-3000:]
+    steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+             if "loss" in r["metrics"]]
+    assert steps == [1, 2], steps
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("checkpoint-*"))
+    assert checkpoints == ["checkpoint-2"], checkpoints
+    saved = run_dir / "checkpoints" / "checkpoint-2"
+    assert (saved / "rng_state_0.pth").is_file() and (saved / "rng_state_1.pth").is_file()  # both ranks saved it
+    assert not (run_dir / "summary.json").exists()
+
+    code, out = _finish(*_torchrun(tmp_path, "stopped", resume=True))
+    assert code == 0, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("checkpoint-2"), summary
+    steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+             if "loss" in r["metrics"]]
+    assert steps == [1, 2, 3, 4], steps
+    assert (run_dir / "model" / "model.safetensors").read_bytes() == uninterrupted_2_rank_run

@@ -16,6 +16,7 @@ from grpo.runs import open_run_dir
 from grpo.training.policy import load_policy
 from grpo.training.train import grpo_args
 from grpo.training.trainer import GRPOTrainer
+from tests import deterministic_rewards  # noqa: F401 - registers completion_length
 from tests.conftest import MICRO, micro_overrides
 
 
@@ -122,20 +123,31 @@ def test_weights_from_the_training_forward_equal_an_extra_pass_with_one_forward_
 
 @pytest.mark.integration
 def test_async_training_with_is_mask_runs_end_to_end(tmp_path):
+    """#28: with exact_match the micro policy scored 0 on every completion, so every advantage was 0, the gradient
+    was 0 and the "stale" policy was the current one: the ratios were 1 +- one float32 ulp (the generator's KV-cached
+    batched forward against the trainer's), and which tokens rounded above the cap of 1.0 depended on kernel paths
+    (batch shape after compaction, memory layout), not on staleness -- all 0 in some suite runs. A reward that
+    varies within groups makes the policy move every step, so the masking measures real one-step staleness."""
     cfg = load_config(MICRO, micro_overrides(tmp_path, **{
         "async.use_data_producer": "true", "async.async_prefetch": "true",
         "async.vllm_importance_sampling_correction": "true", "async.vllm_importance_sampling_mode": "token_mask",
         "async.vllm_importance_sampling_cap": 1.0, "async.max_staleness": 1,
         "async.off_policy_mask_threshold": 1.0, "grpo.max_steps": 4, "grpo.logging_steps": 1,
-        "evaluation.enabled": "false"}))
+        "grpo.reward_funcs": "[completion_length]", "evaluation.enabled": "false"}))
     run = open_run_dir(cfg, "is", resume=False)
     summary = run_experiment(cfg, run, log=lambda *_: None)
     assert summary["steps"] == 4
     rows = [json.loads(line)["metrics"] for line in run.metrics_file.read_text().splitlines()]
-    masked = [r["sampling/is_frac_masked"] for r in rows if "sampling/is_frac_masked" in r]
-    means = [r["sampling/importance_sampling_ratio/mean"] for r in rows
-             if "sampling/importance_sampling_ratio/mean" in r]
+    rows = [r for r in rows if "sampling/is_frac_masked" in r]
+    masked = [r["sampling/is_frac_masked"] for r in rows]
+    means = [r["sampling/importance_sampling_ratio/mean"] for r in rows]
     assert len(masked) == len(means) == 4
-    # One-step-stale rollouts: ratios scatter around 1, so a cap of 1.0 masks some tokens and keeps others.
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]  # the schedule: prefetch_depth 1
+    assert all(r["grad_norm"] > 0 for r in rows), [r["grad_norm"] for r in rows]  # every step moves the policy
+    # One-step-stale rollouts of a moving policy: ratios spread far beyond float32 rounding (1e-7) around 1 ...
+    spread = [r["sampling/importance_sampling_ratio/max"] - r["sampling/importance_sampling_ratio/min"]
+              for r in rows[1:]]
+    assert all(s > 1e-3 for s in spread), spread
+    # ... so a cap of 1.0 masks some tokens and keeps others.
     assert all(0.0 <= f <= 1.0 for f in masked) and max(masked) > 0.0 and min(masked) < 1.0, masked
     assert all(abs(m - 1.0) < 0.25 for m in means), means

@@ -58,3 +58,43 @@ def test_tiny_policy_builds_offline_learns_format_and_is_cached(tmp_path, capfd)
     changed = load_config(None, ["data.num_train=800", "data.num_eval=100", "model.tiny.hidden_size=64",
                                  "model.tiny.num_hidden_layers=2", "model.warm_start.steps=151"])
     assert load_policy(changed, data, log=lambda *_: None).source != first.source
+
+
+BUILD_IN_A_FRESH_PROCESS = """
+import sys, torch
+from grpo.config import load_config
+from grpo.pipeline.data import load_data
+from grpo.training.policy import load_policy
+torch.manual_seed(12345)  # a global RNG state unlike the test process's: the build must not read it
+cfg = load_config(sys.argv[1], sys.argv[2:])
+load_policy(cfg, load_data(cfg), log=lambda *_: None)
+"""
+
+
+def test_the_cached_policy_is_the_same_bytes_whoever_builds_it(tmp_path, monkeypatch):
+    """#28: the warm-started tiny policy in the cache does not depend on the process that built it: here with one
+    intra-op thread and the test process's RNG state, and in a fresh process with two threads and another RNG
+    state. A suite whose shared cache was built by whichever test came first must train the same runs."""
+    import subprocess
+    import sys
+
+    from tests.conftest import MICRO
+
+    overrides = ["model.warm_start.steps=20"]
+    cfg = load_config(MICRO, overrides)
+    monkeypatch.setenv("GRPO_CACHE_DIR", str(tmp_path / "here"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.rand(7)  # the global RNG moved on, as after any earlier test
+        built = load_policy(cfg, load_data(cfg), log=lambda *_: None)
+    finally:
+        torch.set_num_threads(before)
+    assert not built.cached
+    env = {**os.environ, "GRPO_CACHE_DIR": str(tmp_path / "there"), "OMP_NUM_THREADS": "2"}
+    subprocess.run([sys.executable, "-c", BUILD_IN_A_FRESH_PROCESS, str(MICRO), *overrides], env=env, check=True,
+                   timeout=600)
+    here, there = (next((tmp_path / d).glob("tiny-*")) for d in ("here", "there"))
+    assert here.name == there.name  # the same cache key
+    for name in ("model.safetensors", "done.json", "config.json"):
+        assert (here / name).read_bytes() == (there / name).read_bytes(), name

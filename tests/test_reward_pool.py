@@ -278,3 +278,21 @@ def test_workers_exit_when_the_trainer_process_dies(tmp_path):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pid)
+
+
+def test_rows_keep_the_batch_order_whichever_worker_finishes_first(tmp_path, monkeypatch):
+    """#28: the worker holding the first shard is made to finish after the other one, every batch (forced: it waits for
+    the other's marker file, see tests/deterministic_rewards.py). The rows still come back in the batch's order,
+    equal to in-process scoring."""
+    from tests.deterministic_rewards import completion_length_slow_worker
+
+    monkeypatch.setenv("SLOW_REWARD_DIR", str(tmp_path))
+    completions = ["1", "22", "333", "4444", "55555", "666666", "7", "88"]  # 4 groups of 2: one shard per worker
+    with RewardWorkerPool([completion_length_slow_worker], num_workers=2, timeout=300) as pool:
+        first = pool.worker_pids[0]  # the worker that holds the first shard
+        batches = [pool.compute(**_batch(completions[i:] + completions[:i]), group_size=2) for i in range(3)]
+        assert pool.metrics["rewards/errors"] == 0
+    slowed = {p.name: int(p.read_text()) for p in tmp_path.glob("slow-done-*")}
+    assert slowed == {f"slow-done-{i}": first for i in (1, 2, 3)}, slowed  # the first shard came back last, each time
+    for i, rows in enumerate(batches):
+        assert [r[0] for r in rows] == [float(len(c)) for c in completions[i:] + completions[:i]]

@@ -102,12 +102,28 @@ def sample_round(model, prompt_ids: list[list[int]], gen: dict) -> tuple[list[li
     return completions, completion_logps
 
 
-def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int, lora=None) -> None:
-    """The generator process: load the policy, then serve weight updates and generation requests until told to stop."""
+# Test-only hook, no config field: seconds the generator sleeps before each round, so tests can run the same config
+# with a slow generator and check that nothing but timing changes (the schedule below is fixed by the config). Read
+# by the trainer process and passed to the generator: a forkserver child has the forkserver's environment, not the
+# trainer's current one.
+TEST_DELAY_ENV = "GRPO_TEST_GENERATOR_DELAY_S"
+
+
+def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int, lora=None, delay_s: float = 0.0) -> None:
+    """The generator process: load the policy, then serve weight updates and generation requests until told to stop.
+
+    Messages are handled strictly in the order they were sent (one pipe, one FIFO sender): a round is sampled with
+    the last weights sent before it, and rounds draw from one seeded RNG stream in submission order. So the version
+    and the tokens of every round follow from the config and the seed, however fast either side runs."""
+    import signal
+
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    # Ctrl-C reaches the whole process group; it belongs to the trainer, which finishes its step (it may still need a
+    # round from here), saves, and closes this process (as the reward workers do).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     hf_logging.disable_progress_bar()  # a fresh process: no "Loading weights" bar in the trainer's console
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -134,6 +150,8 @@ def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int, lora=None)
             load_weights(torch.load(io.BytesIO(blob), weights_only=True))
             continue
         _, round_id, prompt_ids = msg
+        if delay_s:
+            time.sleep(delay_s)
         start = time.perf_counter()
         completions, completion_logps = sample_round(model, prompt_ids, gen)
         conn.send(("result", round_id, version, completions, completion_logps, time.perf_counter() - start))
@@ -164,7 +182,9 @@ class AsyncRolloutProducer:
         weights and :data:`ADAPTER_FILE`; weight syncs carry the adapter's state dict)."""
         ctx = _generator_context()
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker, args=(child, model_dir, generation, seed, threads, lora), daemon=True)
+        delay = float(os.environ.get(TEST_DELAY_ENV) or 0.0)
+        self._proc = ctx.Process(target=_worker, args=(child, model_dir, generation, seed, threads, lora, delay),
+                                 daemon=True)
         self._proc.start()
         child.close()
         # Sends go through one FIFO thread: a weight blob is larger than the pipe buffer, and a blocking send would

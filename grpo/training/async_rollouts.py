@@ -9,6 +9,15 @@ rounds are submitted ahead so generation overlaps training.
 Each rollout carries the policy version it was sampled with; one older than ``max_staleness`` optimizer steps is
 dropped and generated again with current weights (never trained on). Weights are pushed every
 ``vllm_sync_interval`` steps (:class:`_WeightSync`) and whenever a round must be generated now.
+
+The schedule is a function of the config, never of timing: requests and weight pushes reach the engine in one FIFO
+order, and a round is sampled with the last weights pushed before it was submitted. Round 0 is generated at step 0
+with the weights of step 0; rounds 1..d (``d = prefetch_depth``) are submitted at step 0 too; round k > d is
+submitted at step k - d, after that step's push, so its version is the last push at or before step k - d
+(``vllm_sync_interval * floor((k - d) / vllm_sync_interval)`` when no round had to be generated now, which pushes
+too). The trainer waits for the round it needs however slow the generator is, and the CPU generator draws every
+round from one seeded RNG stream in submission order, so the tokens are fixed as well (a vLLM server's are not:
+it batches requests as they arrive).
 """
 
 from __future__ import annotations
