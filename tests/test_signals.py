@@ -349,3 +349,17 @@ def test_ctrl_c_stops_a_sweep_its_running_trial_checkpoints_and_all_runs_end_can
     experiment = client.get_experiment_by_name("signals-sweep").experiment_id
     statuses = {r.data.tags.get("grpo.run_type"): r.info.status for r in client.search_runs([experiment])}
     assert statuses == {"sweep": "KILLED", "trial": "KILLED"}, statuses
+
+    # #28: the stored study marks the interrupted trial FAIL (none left RUNNING), and a rerun continues that study
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'runs' / 'optuna.db'}"
+    assert [t.state.name for t in optuna.load_study(study_name="stopped", storage=storage).trials] == ["FAIL"]
+    short = [s for s in sets if not s.startswith("grpo.max_steps")] + ["grpo.max_steps=2"]
+    rerun = subprocess.run([sys.executable, "-m", "grpo.app.cli", "sweep", "--config", str(MICRO), "--space",
+                            str(tmp_path / "space.yaml"), "--name", "stopped-again", "--study", "stopped",
+                            "--max-concurrency", "1", *(a for s in short for a in ("--set", s))],
+                           cwd=tmp_path, env=prefect_server.env(), capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, (rerun.stdout[-3000:], rerun.stderr[-3000:])
+    trials = optuna.load_study(study_name="stopped", storage=storage).trials
+    assert [(t.number, t.state.name) for t in trials] == [(0, "FAIL"), (1, "COMPLETE"), (2, "COMPLETE")]

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -81,7 +80,7 @@ def test_a_schedule_due_next_minute_starts_a_sweep_that_completes(prefect_server
     assert [t["status"] for t in result["trials"]] == ["completed"] * 3, result["trials"]
     assert sorted(t["grpo.learning_rate"] for t in result["trials"]) == [5.0e-5, 1.0e-4, 2.0e-4]
     for trial in result["trials"]:
-        assert json.loads((Path(trial["run_dir"]) / "summary.json").read_text())["steps"] == 50
+        assert json.loads((tmp_path / trial["run_dir"] / "summary.json").read_text())["steps"] == 50
     assert s.get("deployments/name/grpo-sweep/scheduled")["paused"]  # serving stopped: the schedule is paused
 
 
