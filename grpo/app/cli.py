@@ -353,26 +353,33 @@ def ui(
     prefect_port: Annotated[int, typer.Option(help="Prefect UI/API port.")] = 4200,
     mlflow_port: Annotated[int, typer.Option(help="MLflow UI/API port.")] = 5000,
 ) -> None:
-    """Start the Prefect and MLflow servers on 127.0.0.1 over the local stores; Ctrl-C stops both."""
-    from grpo.app.ui import start_servers, stop_servers
+    """Start the Prefect and MLflow servers on 127.0.0.1 over the local stores; Ctrl-C or SIGTERM stops both."""
+    import time
 
+    from grpo.app import procguard
+    from grpo.app.ui import start_servers, stop_servers, taken_ports_message
+
+    taken = taken_ports_message(prefect_port, mlflow_port)
+    if taken:
+        _fail(taken)
+    procguard.install_signal_handlers()  # SIGTERM unwinds like Ctrl-C: the servers (own sessions) are stopped
+    procs: list = []
     try:
         procs = start_servers(Path.cwd(), prefect_port, mlflow_port)
+        typer.echo(f"Prefect UI: http://127.0.0.1:{prefect_port}    MLflow UI: http://127.0.0.1:{mlflow_port}")
+        typer.echo("To send new runs to these servers, in another shell:")
+        typer.echo(f"  export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api "
+                   f"MLFLOW_TRACKING_URI=http://127.0.0.1:{mlflow_port}")
+        while all(p.poll() is None for p in procs):
+            time.sleep(1)
     except RuntimeError as err:
         _fail(str(err))
-    typer.echo(f"Prefect UI: http://127.0.0.1:{prefect_port}    MLflow UI: http://127.0.0.1:{mlflow_port}")
-    typer.echo("To send new runs to these servers, in another shell:")
-    typer.echo(f"  export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api "
-               f"MLFLOW_TRACKING_URI=http://127.0.0.1:{mlflow_port}")
-    try:
-        while all(p.poll() is None for p in procs):
-            import time
-
-            time.sleep(1)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, procguard.Terminated):
         pass
     finally:
         stop_servers(procs)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @app.command()
