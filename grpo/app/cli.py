@@ -187,7 +187,27 @@ def run(
     before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]
     if before is not None and after is not None:
         typer.echo(f"accuracy {before:.3f} -> {after:.3f} ({after - before:+.3f}) in {summary['wall_seconds']:.0f}s")
+    typer.echo(f"model: {run_dir.model_dir}")
+    link = _mlflow_link(cfg, summary.get("mlflow_run_id"))
+    if link:
+        typer.echo(f"mlflow: {link}")
     typer.echo(f"summary: {run_dir.summary_file}")
+
+
+def _mlflow_link(cfg, run_id: str | None) -> str | None:
+    """The run's page in the MLflow UI, opening its training view (MLflow's own "View run" line opens the GenAI one
+    and is switched off by grpo.console.quiet_library_noise); None when the run is not tracked or not found."""
+    if not run_id:
+        return None
+    from mlflow import MlflowClient
+
+    from grpo.pipeline.tracking import mlflow_ui_url, resolve_tracking_uri
+
+    uri = resolve_tracking_uri(cfg.tracking.tracking_uri, Path.cwd())
+    try:
+        return mlflow_ui_url(uri, MlflowClient(uri).get_run(run_id).info.experiment_id, run_id)
+    except Exception:  # the store went away since the run: the summary still names the run id
+        return None
 
 
 @app.command()
@@ -230,7 +250,9 @@ def sweep(
         typer.echo(f"sweep: {checked.n_trials} trials ({checked.sampler_kind} sampler, {pruner} pruner), "
                    f"at most {max_concurrency} at once")
         from flows.sweep import SweepError, grpo_sweep
+        from grpo.console import quiet_library_noise
 
+        quiet_library_noise()  # also for what the sweep does itself: best model, dashboard (artifact downloads)
         try:
             with _stoppable(f"finished trials are in {Path(cfg.output_dir)}"):
                 result = grpo_sweep(config=cfg, space=space_data, max_concurrency=max_concurrency, metric=metric,
@@ -330,8 +352,10 @@ def dashboard(
     ] = None,
 ) -> None:
     """Write an HTML dashboard comparing the runs of an MLflow experiment or sweep (rewards, eval, final metrics)."""
+    from grpo.console import quiet_library_noise
     from grpo.pipeline.tracking import resolve_tracking_uri
 
+    quiet_library_noise()  # no "Downloading artifacts" bar for a sweep's importances
     uri = resolve_tracking_uri(tracking_uri, Path.cwd())
     try:
         from mlflow.exceptions import MlflowException
