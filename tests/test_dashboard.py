@@ -292,3 +292,23 @@ def test_legend_labels_name_runs_by_the_params_that_differ():
     many = [run("a", p1="1", p2="1", p3="1", p4="1"), run("b", p1="2", p2="2", p3="2", p4="2")]
     assert legend_labels(many) == ["a", "b"]
     assert legend_labels([run("a"), run("b")]) == ["a", "b"] and legend_labels([run("solo", x="1")]) == ["solo"]
+
+
+def test_cli_dashboard_of_a_sweep_prints_one_line_and_no_progress_bar(tmp_path, mlflow_server):
+    """``grpo dashboard --sweep`` downloads the sweep's importances from MLflow: that printed MLflow's "Downloading
+    artifacts" progress bar; the command says one line, where the page is."""
+    import subprocess
+    import sys
+
+    exp = make_experiment(mlflow_server.uri)
+    MlflowClient(mlflow_server.uri).log_dict(exp["sweep"], {"study": "s", "completed_trials": 3, "note": None,
+                                                             "importances": {"grpo.learning_rate": 1.0}},
+                                             "sweep/importances.json")
+    out = tmp_path / "d.html"
+    result = subprocess.run([sys.executable, "-m", "grpo.app.cli", "dashboard", "--experiment", exp["experiment"],
+                             "--sweep", exp["sweep"], "--out", str(out), "--tracking-uri", mlflow_server.uri],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "panel-importances" in out.read_text()  # the importances were downloaded
+    assert result.stdout.splitlines() == [f"dashboard: {out}"]
+    assert "Downloading artifacts" not in result.stderr and "it/s]" not in result.stderr, result.stderr

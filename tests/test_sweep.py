@@ -316,6 +316,8 @@ def test_cli_sweep_prints_the_parent_run_and_the_dashboard(tmp_path, prefect_ser
         [MlflowClient(mlflow_server.uri).get_experiment_by_name("cli-sweep").experiment_id],
         filter_string="tags.`grpo.run_type` = 'sweep'")[0].info.run_id
     out = result.stdout
+    for bar in ("Loading weights", "Writing model shards", "Downloading artifacts", "Uploading artifacts", "it/s]"):
+        assert bar not in out + result.stderr, bar  # library progress bars (grpo.console)
     assert f"mlflow parent run: {parent} (compare again: grpo dashboard --experiment cli-sweep --sweep {parent}" in out
     assert f"dashboard: {tmp_path / 'runs' / 'lr' / 'dashboard.html'} (comparison, logged to MLflow as dashboard/" in out
 
