@@ -9,6 +9,11 @@ the training curves form one ``train`` section ahead of their diagnostics (``tra
 prefix.
 """
 
+from __future__ import annotations
+
+import re
+from typing import Any
+
 TRAIN_PREFIX = "train/"
 
 EVAL_PREFIX = "eval/"
@@ -34,3 +39,21 @@ def eval_before_after(key: str, history: list[tuple[int, float]]) -> dict[str, f
     if history and history[-1][0] > 0:
         out[f"{key}_after"] = history[-1][1]
     return out
+
+
+_EVAL_TAGGED = re.compile(r"(eval/.+)_(before|after)")
+
+
+def read_run_metric(client: Any, run_id: str, key: str) -> float | None:
+    """The run's latest value of ``key`` in MLflow (``client`` an ``MlflowClient``), None when it has none. The
+    earlier names ``eval/<name>_before`` / ``_after`` are also read from a run logged under ``eval/<name>``, so a
+    sweep's ``--metric eval/accuracy_after`` means the same on runs of either naming."""
+    metrics = client.get_run(run_id).data.metrics
+    if key in metrics:
+        return metrics[key]
+    tagged = _EVAL_TAGGED.fullmatch(key)
+    if tagged is None or tagged.group(1) not in metrics:
+        return None
+    by_step = {m.step: m.value for m in sorted(client.get_metric_history(run_id, tagged.group(1)),
+                                                 key=lambda m: (m.step, m.timestamp))}
+    return eval_before_after(tagged.group(1), sorted(by_step.items())).get(key)
