@@ -67,8 +67,8 @@ def test_dashboard_renders_in_chromium(tmp_path, mlflow_server):
     assert reward_lines == 2 * len(SWEEP_RUNS)  # reward and reward_std subplots
     assert bars == 2 * len(SWEEP_RUNS)  # before and after per run
     # trials are told apart by the params that differ between them, as a user reads the legend (#15)
-    assert legend == ["learning_rate=1e-05, num_generations=4", "learning_rate=3e-05, num_generations=4",
-                      "learning_rate=0.0001, num_generations=8"]
+    assert legend == ["learning_rate=1e-5, num_generations=4", "learning_rate=3e-5, num_generations=4",
+                      "learning_rate=1e-4, num_generations=8"]
     assert table_rows == len(SWEEP_RUNS)
     assert title == "GRPO sweep sweep-lr"
     assert not errors, errors
