@@ -54,8 +54,9 @@ def taken_ports_message(prefect_port: int, mlflow_port: int) -> str | None:
                                                                           (mlflow_port, "MLflow")) if port_taken(port)]
     if not taken:
         return None
-    return (f"port{'s' if len(taken) > 1 else ''} {' and '.join(taken)} already in use on 127.0.0.1 (another grpo ui?); "
-            "pick free ones, e.g. grpo ui --prefect-port 4201 --mlflow-port 5001")
+    ports = f"port{'s' if len(taken) > 1 else ''} {' and '.join(taken)}"
+    return f"{ports} already in use on 127.0.0.1 (another grpo ui?); pick free ones, e.g. grpo ui --prefect-port 4201 " \
+           "--mlflow-port 5001"
 
 
 def start_servers(project_dir: Path, prefect_port: int, mlflow_port: int) -> list[subprocess.Popen]:
