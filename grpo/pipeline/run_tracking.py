@@ -72,7 +72,7 @@ def prep_params(stats: Mapping[str, Any]) -> dict[str, Any]:
     """The prep stage's figures as params: row counts and prompt length statistics."""
     return {"prep.rows_in": stats["rows_in"], "prep.rows_valid": stats["rows_valid"],
             "prep.rows_quarantined": stats["rows_quarantined"],
-            **{f"prep.prompt_chars_{k}": v for k, v in (stats.get("prompt_chars") or {}).items()}}
+            **{f"prep.prompt_chars_{k}": human_number(v) for k, v in (stats.get("prompt_chars") or {}).items()}}
 
 
 def log_prep(tracker: MlflowTracker | None, stats: Mapping[str, Any]) -> None:
