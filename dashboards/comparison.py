@@ -5,9 +5,11 @@
 ``mlflow.parentRunId`` is ``sweep_run_id``) and their metric histories with ``get_metric_history``, and writes:
 
 * reward per step for every run (and ``reward_std`` next to it when logged),
-* greedy eval accuracy before/after training per run (bars),
-* a final-metrics table: run name, status, the params whose values differ between the runs, steps, final reward,
-  ``eval/accuracy_before``/``eval/accuracy_after``, pass@k and wall time,
+* greedy eval accuracy before/after training per run (bars): ``eval/accuracy`` at step 0 and at the last step
+  (older runs: ``eval/accuracy_before``/``eval/accuracy_after``),
+* a final-metrics table: run name, status, the params with different values between the runs, steps, final reward,
+  eval accuracy before and after, pass@k and wall time, numbers as people write them (``2.61e-4``,
+  :func:`grpo.formatting.human_number`),
 * panels for zero-std groups / skipped zero-advantage batches, the replay buffer, reroll, batch balance, async
   rollouts, step time and system metrics, each only when at least one run logged one of its metrics (the page lists
   the panels left out),
@@ -32,7 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from grpo.errors import GRPOPlatformError
-from grpo.pipeline.metric_keys import TRAIN_PREFIX
+from grpo.formatting import human_number
+from grpo.pipeline.metric_keys import TRAIN_PREFIX, eval_before_after, is_eval_curve
+from grpo.pipeline.tracking import mlflow_ui_url
 
 ARTIFACT_PATH = "dashboard"
 _MAX_RUNS = 500  # more runs than this make an unreadable page; the newest are shown
@@ -213,12 +217,14 @@ def _collect(client, mlflow_runs: list) -> list[RunData]:
     wanted = set(REWARD_PANEL.metrics)
     for panel in METRIC_PANELS:
         wanted |= set(_panel_keys(panel, {k for run in runs for k in run.latest}))
-    jobs = [(run, key) for run in runs for key in sorted(wanted & set(run.latest))]
+    jobs = [(run, key) for run in runs for key in sorted(k for k in run.latest if k in wanted or is_eval_curve(k))]
     with ThreadPoolExecutor(max_workers=_HISTORY_WORKERS) as pool:
         results = list(pool.map(lambda job: _history(client, job[0].run_id, mlflow_key[(job[0].run_id, job[1])]),
                                 jobs))
     for (run, key), points in zip(jobs, results):
-        if points:
+        if is_eval_curve(key):  # eval/accuracy at step 0 and the last step; older runs logged eval/accuracy_before
+            run.latest.update(eval_before_after(key, points))
+        elif points:
             run.history[key] = points
     for run, legend in zip(runs, legend_labels(runs)):
         run.legend = legend
@@ -238,7 +244,8 @@ def legend_labels(runs: list[RunData]) -> list[str]:
         return [r.label for r in runs]
     last = [k.rsplit(".", 1)[-1] for k in keys]
     short = [t if last.count(t) == 1 else k for k, t in zip(keys, last)]
-    labels = [", ".join(f"{n}={r.params.get(k, '—')}" for k, n in zip(keys, short)) for r in runs]
+    labels = [", ".join(f"{n}={human_number(r.params[k]) if k in r.params else '—'}" for k, n in zip(keys, short))
+              for r in runs]
     return [f"{lab} ({r.label})" if labels.count(lab) > 1 else lab for lab, r in zip(labels, runs)]
 
 
@@ -351,12 +358,12 @@ def _stored_importances(client, sweep_run_id: str) -> dict | None:
 # ---------------------------------------------------------------------------------------------------- table
 
 
-def _fmt(value: float | None, digits: int = 4) -> str:
+def _fmt(value: float | str | None) -> str:
     if value is None:
         return "—"
-    if float(value).is_integer() and abs(value) < 1e9:
-        return str(int(value))
-    return f"{value:.{digits}g}"
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e9:
+        value = int(value)  # MLflow keeps every metric as a float: a step count reads 20, not 20.0
+    return human_number(value)
 
 
 def _fmt_seconds(seconds: float | None) -> str:
@@ -376,18 +383,21 @@ def differing_params(runs: list[RunData]) -> list[str]:
     return [k for k in keys if len({r.params.get(k) for r in runs}) > 1]
 
 
+def varying_params(runs: list[RunData]) -> list[str]:
+    """Param keys with at least two different values among the runs that logged them: the table's columns. A param
+    only some runs have does not count (a sweep's parent run logs its own few params and none of the config's, which
+    made every one of the config's ~120 params a column of an experiment's table)."""
+    keys = sorted({k for r in runs for k in r.params})
+    return [k for k in keys if len({r.params[k] for r in runs if k in r.params}) > 1]
+
+
 def _pass_at_k(run: RunData) -> str:
     found = sorted((int(m.group(1)), v) for k, v in run.latest.items() if (m := _PASS_AT_K.fullmatch(k)))
     return ", ".join(f"{_fmt(v)} (k={k})" for k, v in found) or "—"
 
 
-def _run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    base = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
-
-
 def _table(runs: list[RunData], tracking_uri: str, experiment_id: str, now_ms: int) -> str:
-    params = differing_params(runs) if len(runs) > 1 else []
+    params = varying_params(runs) if len(runs) > 1 else []
     e = html.escape
     head = ["run", "status", *params, "steps", "final reward", "eval accuracy before", "eval accuracy after",
             "pass@k after", "wall time"]
@@ -396,12 +406,13 @@ def _table(runs: list[RunData], tracking_uri: str, experiment_id: str, now_ms: i
     out.append("</tr></thead><tbody>")
     for r in runs:
         cells = [f'<td class="run"><span class="swatch" style="background:{r.color}"></span>'
-                 f'<a href="{e(_run_url(tracking_uri, experiment_id, r.run_id))}" title="{e(r.run_id)}">'
+                 f'<a href="{e(mlflow_ui_url(tracking_uri, experiment_id, r.run_id))}" title="{e(r.run_id)}">'
                  f"{e(r.label)}</a></td>",
                  f'<td class="status status-{e(r.status.lower())}">{e(r.status)}</td>']
         for p in params:
             value = r.params.get(p)
-            short = value if value is None or len(value) <= 40 else value[:37] + "..."
+            short = value if value is None else human_number(value)
+            short = short if short is None or len(short) <= 40 else short[:37] + "..."
             cells.append(f'<td class="param" title="{e(value or "")}">{e(short) if short is not None else "—"}</td>')
         wall = r.wall_seconds(now_ms)
         cells += [f"<td>{_fmt(r.steps())}</td>", f"<td>{_fmt(r.latest.get('reward'))}</td>",
@@ -477,7 +488,7 @@ def render(runs: list[RunData], *, title: str, subtitle: str, tracking_uri: str,
              "Greedy accuracy on the held-out split before and after training.")
     sections.append(_section("final-metrics", "Final metrics",
                              f'<div class="table-wrap">{_table(runs, tracking_uri, experiment_id, now_ms)}</div>',
-                             "Params listed are the ones whose values differ between the runs."))
+                             "Params listed are the ones whose values differ between the runs that logged them."))
     if importances is not None:
         made = _importance_panel(importances)
         sections.append(_section(IMPORTANCE_DIV_ID, "Parameter importances (Optuna)", made[0]))
@@ -574,5 +585,6 @@ def log_dashboard(tracker_or_client: Any, run_id: str | None, path: str | Path,
     return f"{artifact_path}/{path.name}" if artifact_path else path.name
 
 
-__all__ = ["DashboardError", "build_dashboard", "differing_params", "legend_labels", "log_dashboard", "render"]
+__all__ = ["DashboardError", "build_dashboard", "differing_params", "legend_labels", "log_dashboard", "render",
+           "varying_params"]
 

@@ -30,7 +30,7 @@ from grpo.console import quiet_library_noise
 from grpo.errors import GRPOPlatformError
 from grpo.pipeline.confine import check_config_paths
 from grpo.pipeline.recipe import run_recipe
-from grpo.pipeline.tracking import MlflowCallback, MlflowTracker
+from grpo.pipeline.tracking import MlflowCallback, MlflowTracker, mlflow_ui_url
 from grpo.runs import RunDir, open_run_dir
 
 FLOW_RUNS_STARTED: list[str] = []  # this process's pipeline flow runs: the CLI cancels them on Ctrl-C / SIGTERM
@@ -210,8 +210,7 @@ def grpo_pipeline(
 
 def mlflow_run_url(tracking_uri: str, experiment_id: str | None, run_id: str) -> str:
     """The run's page: on the tracking server, or on ``grpo ui``'s MLflow server for the local SQLite store."""
-    base = tracking_uri.rstrip("/") if tracking_uri.startswith("http") else "http://127.0.0.1:5000"
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+    return mlflow_ui_url(tracking_uri, experiment_id, run_id)
 
 
 def _deployment_name() -> str | None:

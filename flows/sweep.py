@@ -75,6 +75,7 @@ from flows.sweep_form import (ConcurrencyField, DirectionField, MetricField, Reg
                               UseDeploymentField)
 from grpo.config import ExperimentConfig, resolve_config, to_yaml
 from grpo.errors import GRPOPlatformError, RunDirectoryError
+from grpo.pipeline.metric_keys import read_run_metric
 from grpo.pipeline.run_tracking import end_status
 from grpo.pipeline.stages import add_run_callback, remove_run_callbacks
 from grpo.pipeline.sweep_space import Space, validate_space
@@ -337,7 +338,7 @@ def _metric_value(summary: dict, metric: str, client, run_id: str | None) -> flo
     value = summary.get(metric)
     if value is None and client is not None and run_id:
         with contextlib.suppress(Exception):
-            value = client.get_run(run_id).data.metrics.get(metric)
+            value = read_run_metric(client, run_id, metric)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)

@@ -2,13 +2,14 @@
 
 Every run prints the same known-harmless lines otherwise: transformers' deprecation of ``gradient_checkpointing``
 (raised by TRL's own calls, twice per checkpoint), MLflow's notes on GPU metrics, model licenses and new stores, and a
-progress bar for each tiny model load/save. The run's own progress is :class:`grpo.training.train.ConsoleProgress`'s
-one line per logged step.
+progress bar for each tiny model load/save and each artifact transfer. The run's own progress is
+:class:`grpo.training.train.ConsoleProgress`'s one line per logged step.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 # (message regex, category): warnings that fire on every run and that a user can do nothing about.
@@ -41,9 +42,18 @@ class _DropRecords(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
+# Environment settings of the same kind, for this process and the ones it starts (unless the user set them): MLflow's
+# progress bars of artifact uploads and downloads (one per logged model, one per dashboard of a sweep), and its "View
+# run" / "View experiment" lines at each run's end, whose links open MLflow's GenAI view (the CLI prints the run's
+# link to the training view instead: grpo.pipeline.tracking.mlflow_ui_url).
+QUIET_ENV = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+
+
 def quiet_library_noise() -> None:
-    """Silence :data:`HARMLESS_WARNINGS`, :data:`HARMLESS_LOG_RECORDS` and the per-file model load/save progress
-    bars. Idempotent."""
+    """Silence :data:`HARMLESS_WARNINGS`, :data:`HARMLESS_LOG_RECORDS`, :data:`QUIET_ENV` and the per-file model
+    load/save progress bars. Idempotent."""
+    for name, value in QUIET_ENV.items():
+        os.environ.setdefault(name, value)
     for message, category in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name, prefix in HARMLESS_LOG_RECORDS:

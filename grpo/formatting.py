@@ -1,21 +1,37 @@
-"""Numbers as people write them in forms, tables and logs: ``2.6e-4``, not ``0.0002612293709960431``."""
+"""Numbers as people write them, for every table a person reads (the comparison dashboard, the run form).
+
+Python's ``str`` of a float sampled on a log scale reads ``0.0002612293709960431``; a person writes ``2.61e-4``.
+"""
 
 from __future__ import annotations
 
 import math
+import numbers
+from typing import Any
+
+_SMALL, _LARGE = 1e-3, 1e5
 
 
-def human_number(value: float | int) -> str:
-    """An int as is; a float with at most 3 significant digits in scientific form below 1e-3 and from 1e5 up
-    (``2.61e-4``, ``1.5e6``), else with at most 4 significant digits (``0.0312``, ``500``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, int):
-        return str(value)
-    if not math.isfinite(value):
-        return str(value)
-    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
-        mantissa, exponent = f"{value:.2e}".split("e")
-        mantissa = mantissa.rstrip("0").rstrip(".")
-        return f"{mantissa}e{int(exponent)}"
-    return f"{value:.4g}"
+def human_number(x: Any) -> str:
+    """``x`` as a person writes it: ints as ints (``5500``); floats with ``|x| < 1e-3`` or ``|x| >= 1e5`` in short
+    scientific notation with at most 3 significant digits (``2.61e-4``, ``1e-5``, ``1.5e6``); other floats with at
+    most 4 significant digits (``0.1235``, ``42``), or in the short notation where 4 digits do not hold the integer
+    part (``1.23e4``). A string holding a number is read first (MLflow keeps params as
+    strings); anything else is returned as ``str(x)``."""
+    if isinstance(x, str):
+        try:
+            x = int(x) if x.strip().lstrip("+-").isdigit() else float(x)
+        except ValueError:
+            return x
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return str(x)
+    if isinstance(x, numbers.Integral):
+        return str(int(x))
+    x = float(x)
+    if not math.isfinite(x):
+        return str(x)
+    text = f"{x:.4g}"
+    if x != 0 and (abs(x) < _SMALL or abs(x) >= _LARGE or "e" in text):  # "e" in text: 1e4 <= |x| < 1e5
+        mantissa, exponent = f"{x:.2e}".split("e")
+        return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+    return text

@@ -112,3 +112,26 @@ def test_serve_with_an_invalid_cron_is_one_line_exit_2_before_connecting(tmp_pat
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert fragment in lines[0], lines[0]
     assert "Traceback" not in result.stderr + result.stdout and "serving" not in result.stdout
+
+
+@pytest.mark.integration
+def test_run_names_the_model_folder_without_progress_bars(tmp_path, prefect_server, mlflow_server):
+    """The end of ``grpo run`` says where the trained model is; no library progress bar (transformers' loading and
+    saving, MLflow's artifact transfers) or MLflow link to its GenAI view reaches the console."""
+    result = subprocess.run(
+        [sys.executable, "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "named",
+         *(a for s in (f"output_dir={tmp_path / 'runs'}", "grpo.max_steps=2", "grpo.save_steps=100",
+                       "tracking.backend=mlflow", f"tracking.tracking_uri={mlflow_server.uri}",
+                       "tracking.experiment_name=cli-run", "tracking.log_system_metrics=false")
+           for a in ("--set", s))],
+        cwd=tmp_path, env=prefect_server.env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout + result.stderr
+    model = tmp_path / "runs" / "named" / "model"
+    assert f"model: {model}" in result.stdout.splitlines(), result.stdout[-2000:]
+    assert (model / "config.json").is_file()
+    for bar in ("Loading weights", "Writing model shards", "Downloading artifacts", "Uploading artifacts", "it/s]"):
+        assert bar not in out, bar
+    assert "View run named at" not in out  # MLflow's own link, which opens its GenAI view
+    run_link = [line for line in result.stdout.splitlines() if line.startswith("mlflow: ")]
+    assert len(run_link) == 1 and "workflowType=machine_learning" in run_link[0], result.stdout[-2000:]

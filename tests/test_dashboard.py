@@ -57,9 +57,14 @@ def _metrics(i: int, lr: float, families: tuple[str, ...], t0: int) -> list[Metr
         out += [Metric(f"train/{k}", v, ts, step) for k, v in values.items()]  # the trainer's keys in MLflow
     acc_before = 0.30
     acc_after = acc_before + 0.1 * (i + 1)
-    out += [Metric("eval/accuracy_before", acc_before, t0, 0), Metric("eval/pass_at_8_before", 0.5, t0, 0),
-            Metric("eval/accuracy_after", acc_after, t0 + 30_000, STEPS),
-            Metric("eval/pass_at_8_after", min(1.0, acc_after + 0.2), t0 + 30_000, STEPS)]
+    if i < 2:  # eval/accuracy at step 0 (before training) and at the last step (after): one line per run
+        out += [Metric("eval/accuracy", acc_before, t0, 0), Metric("eval/pass_at_8", 0.5, t0, 0),
+                Metric("eval/accuracy", acc_after, t0 + 30_000, STEPS),
+                Metric("eval/pass_at_8", min(1.0, acc_after + 0.2), t0 + 30_000, STEPS)]
+    else:  # the naming of runs logged before that: one single-point metric each, still read
+        out += [Metric("eval/accuracy_before", acc_before, t0, 0), Metric("eval/pass_at_8_before", 0.5, t0, 0),
+                Metric("eval/accuracy_after", acc_after, t0 + 30_000, STEPS),
+                Metric("eval/pass_at_8_after", min(1.0, acc_after + 0.2), t0 + 30_000, STEPS)]
     return out
 
 
@@ -70,12 +75,14 @@ def make_experiment(uri: str) -> dict:
     exp_id = client.create_experiment(name)
     t0 = int(time.time() * 1000) - 3_600_000
     parent = client.create_run(exp_id, run_name="sweep-lr", tags={"grpo.sweep": "lr"}, start_time=t0)
+    # the sweep's own params (flows/sweep.py), none of the config's
+    client.log_batch(parent.info.run_id, params=[Param("sweep.sampler", "grid"), Param("sweep.trials", "3")])
     children = {}
     for i, (run_name, (lr, families, status)) in enumerate(SWEEP_RUNS.items()):
         run = client.create_run(exp_id, run_name=run_name, start_time=t0 + i * 60_000,
                                 tags={"mlflow.parentRunId": parent.info.run_id})
         params = {"grpo.learning_rate": str(lr), "grpo.num_generations": "4" if i < 2 else "8",
-                  "model.name": "tiny", "seed": "0"}
+                  "model.name": "tiny", "seed": "0", "grpo.max_grad_norm": "0.0002612293709960431"}
         client.log_batch(run.info.run_id, metrics=_metrics(i, lr, families, t0),
                          params=[Param(k, v) for k, v in params.items()], tags=[RunTag("grpo.run_dir", f"/r/{i}")])
         client.set_terminated(run.info.run_id, status, end_time=t0 + i * 60_000 + 754_000)
@@ -134,8 +141,8 @@ def test_sweep_dashboard_is_one_self_contained_html(tmp_path, mlflow_server, exp
                       "panel-balance": ["scatter"] * 3, "panel-async": ["scatter"] * 5,
                       "panel-step-time": ["scatter"] * 3}
     # Trials are told apart by the param values that differ between them, not by their names (#15).
-    legends = ["learning_rate=1e-05, num_generations=4", "learning_rate=3e-05, num_generations=4",
-               "learning_rate=0.0001, num_generations=8"]
+    legends = ["learning_rate=1e-5, num_generations=4", "learning_rate=3e-5, num_generations=4",
+               "learning_rate=1e-4, num_generations=8"]  # numbers as people write them (grpo.formatting)
     reward = [t for t in traces["panel-reward"] if t["yaxis"] == "y"]
     assert [t["name"] for t in reward] == legends and all(len(t["x"]) == STEPS for t in reward)
     assert traces["panel-eval"][1]["x"] == legends and traces["panel-eval"][1]["y"] == pytest.approx(
@@ -151,7 +158,7 @@ def test_sweep_dashboard_is_one_self_contained_html(tmp_path, mlflow_server, exp
     assert len(rows) == 3
     cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in rows]
     first = cells[0]
-    assert "lr-1e-5" in first[0] and first[1] == "FINISHED" and first[2] == "1e-05" and first[3] == "4"
+    assert "lr-1e-5" in first[0] and first[1] == "FINISHED" and first[2] == "1e-5" and first[3] == "4"
     assert first[4] == "20" and first[6] == "0.3" and first[7] == "0.4" and first[8] == "0.6 (k=8)"
     assert first[9] == "12m 34s"
     assert cells[2][1] == "FAILED"
@@ -165,6 +172,25 @@ def test_experiment_dashboard_has_every_run(tmp_path, mlflow_server, experiment)
     assert plot_div_ids(page)[0] == "panel-reward"
     # the sweep's parent run logs no training metrics: counted, and said to be without curves
     assert re.search(r'id="run-count">5 runs, 4 with training curves<', page)
+    # the columns are the params with different values, not every param some run lacks (the parent has none of the
+    # config's params, the baseline only one): model.name, seed and max_grad_norm are the same wherever logged
+    table = page[page.index('<table id="final-metrics"'):page.index("</table>")]
+    header = re.findall(r"<th[^>]*>([^<]*)</th>", table)
+    assert header == ["run", "status", "grpo.learning_rate", "grpo.num_generations", "steps", "final reward",
+                      "eval accuracy before", "eval accuracy after", "pass@k after", "wall time"]
+    rows = {re.search(r'title="[^"]+">([^<]+)</a>', row).group(1): re.findall(r"<td[^>]*>(.*?)</td>", row)
+            for row in re.findall(r"<tr>(.*?)</tr>", table[table.index("<tbody>"):], re.S)}
+    assert [rows[n][2] for n in ("baseline-other", "lr-1e-5", "lr-1e-4", "sweep-lr")] == ["5e-6", "1e-5", "1e-4", "—"]
+
+
+def test_human_number():
+    from grpo.formatting import human_number
+
+    assert [human_number(x) for x in (0.0002612293709960431, 1e-05, "3e-05", 100000.0, 1.5e6, -2.5e-4)] == [
+        "2.61e-4", "1e-5", "3e-5", "1e5", "1.5e6", "-2.5e-4"]
+    assert [human_number(x) for x in (5500, "16", 0.123456, 42.0, 0.0, 0.001, 12345.6)] == [
+        "5500", "16", "0.1235", "42", "0", "0.001", "1.23e4"]
+    assert human_number("tiny") == "tiny" and human_number(True) == "True"
 
 
 def test_unknown_experiment_lists_existing_ones(tmp_path, mlflow_server, experiment):
@@ -257,7 +283,7 @@ def test_legend_labels_name_runs_by_the_params_that_differ():
     # the same last part in two sections: the full key names both
     runs = [run("a", grpo__beta="0.0", warm__beta="1"), run("b", grpo__beta="0.04", warm__beta="1"),
             run("c", grpo__beta="0.04", warm__beta="2")]
-    assert legend_labels(runs) == ["grpo.beta=0.0, warm.beta=1", "grpo.beta=0.04, warm.beta=1",
+    assert legend_labels(runs) == ["grpo.beta=0, warm.beta=1", "grpo.beta=0.04, warm.beta=1",
                                    "grpo.beta=0.04, warm.beta=2"]
     # a param one run lacks differs too; two runs with the same values keep their names
     runs = [run("a", grpo__lr="1"), run("b", grpo__lr="1"), run("c")]
@@ -266,3 +292,23 @@ def test_legend_labels_name_runs_by_the_params_that_differ():
     many = [run("a", p1="1", p2="1", p3="1", p4="1"), run("b", p1="2", p2="2", p3="2", p4="2")]
     assert legend_labels(many) == ["a", "b"]
     assert legend_labels([run("a"), run("b")]) == ["a", "b"] and legend_labels([run("solo", x="1")]) == ["solo"]
+
+
+def test_cli_dashboard_of_a_sweep_prints_one_line_and_no_progress_bar(tmp_path, mlflow_server):
+    """``grpo dashboard --sweep`` downloads the sweep's importances from MLflow: that printed MLflow's "Downloading
+    artifacts" progress bar; the command says one line, where the page is."""
+    import subprocess
+    import sys
+
+    exp = make_experiment(mlflow_server.uri)
+    MlflowClient(mlflow_server.uri).log_dict(exp["sweep"], {"study": "s", "completed_trials": 3, "note": None,
+                                                             "importances": {"grpo.learning_rate": 1.0}},
+                                             "sweep/importances.json")
+    out = tmp_path / "d.html"
+    result = subprocess.run([sys.executable, "-m", "grpo.app.cli", "dashboard", "--experiment", exp["experiment"],
+                             "--sweep", exp["sweep"], "--out", str(out), "--tracking-uri", mlflow_server.uri],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "panel-importances" in out.read_text()  # the importances were downloaded
+    assert result.stdout.splitlines() == [f"dashboard: {out}"]
+    assert "Downloading artifacts" not in result.stderr and "it/s]" not in result.stderr, result.stderr

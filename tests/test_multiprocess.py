@@ -246,9 +246,10 @@ def test_torchrun_seqlen_balancing_exchanges_groups_and_logs_balance(tmp_path, m
     summary = json.loads((tmp_path / "balanced" / "summary.json").read_text())
     run = MlflowClient(mlflow_server.uri).get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["grpo.world_size"] == "2"
-    assert {"train/balance/imbalance", "train/balance/max_tokens", "train/skipped_zero_adv_batches", "train/reward",
-            "prep/rows_in", "plan/generation_rounds"} <= set(run.data.metrics), sorted(run.data.metrics)
-    assert run.data.params["sampling.world_size"] == "2"
+    assert {"train/balance/imbalance", "train/balance/max_tokens", "train/skipped_zero_adv_batches",
+            "train/reward"} <= set(run.data.metrics), sorted(run.data.metrics)
+    assert run.data.params["sampling.world_size"] == "2" and {"prep.rows_in", "plan.generation_rounds"} <= set(
+        run.data.params)
     history = MlflowClient(mlflow_server.uri).get_metric_history(run.info.run_id, "train/balance/imbalance")
     logged = [json.loads(line) for line in (tmp_path / "balanced" / "metrics.jsonl").read_text().splitlines()]
     assert [m.step for m in history] == [row["step"] for row in logged if "balance/imbalance" in row["metrics"]]

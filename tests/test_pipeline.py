@@ -22,8 +22,8 @@ pytestmark = pytest.mark.integration
 TRAIN_METRICS = {"reward", "reward_std", "frac_reward_zero_std", "entropy", "clip_ratio/low_mean",
                  "clip_ratio/high_mean", "completions/mean_length", "step_time", "num_tokens", "learning_rate",
                  "grad_norm", "rewards/exact_match/mean", "rewards/exact_match/std"}
-STAGE_METRICS = {"prep/rows_in", "prep/rows_valid", "prep/rows_quarantined", "plan/generation_rounds",
-                 "eval/accuracy_before", "eval/accuracy_after"}
+STAGE_METRICS = {"eval/accuracy"}  # at step 0 (before training) and the last step (after)
+STAGE_PARAMS = {"prep.rows_in", "prep.rows_valid", "prep.rows_quarantined", "plan.generation_rounds", "plan.epochs"}
 # The full run switches every toolkit feature on, so each metric the pipeline issue names must reach MLflow.
 TOOLKIT = {"grpo.beta": 0.04, "async.use_data_producer": "true", "async.async_prefetch": "true",
            "async.vllm_importance_sampling_correction": "true", "async.off_policy_mask_threshold": 0.5,
@@ -131,6 +131,11 @@ def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefe
         assert run.data.tags[f"grpo.version.{name}"] == metadata.version(name), name
     missing = ({f"train/{k}" for k in TRAIN_METRICS | TOOLKIT_METRICS} | STAGE_METRICS) - set(run.data.metrics)
     assert not missing, missing
+    # one-off figures are params, not single-point metric charts; eval before/after is one line
+    assert not [k for k in run.data.metrics if k.startswith(("prep/", "plan/")) or k.endswith(("_before", "_after"))]
+    assert STAGE_PARAMS <= set(run.data.params) and int(run.data.params["prep.rows_valid"]) > 0
+    accuracy = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval/accuracy")]
+    assert accuracy == [(0, summary["eval_accuracy_before"]), (8, summary["eval_accuracy_after"])]
     # the data trained on, as MLflow dataset inputs (the Datasets column said "None"): content hash and row counts
     inputs = {i.dataset.name: i for i in run.inputs.dataset_inputs}
     assert set(inputs) == {"synthetic:addition:train", "synthetic:addition:eval"}, inputs
@@ -147,7 +152,11 @@ def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefe
     assert {"config.yaml", "summary.json", "data/stats.json", "data/quarantine.jsonl", "plan/plan.json",
             "eval/samples_after.json"} <= artifacts, artifacts
     models = client.search_logged_models(experiment_ids=[run.info.experiment_id])
-    assert any(m.source_run_id == run.info.run_id for m in models)
+    [model] = [m for m in models if m.source_run_id == run.info.run_id]
+    # the model carries the evaluation after training (not the one before) and the run's params
+    assert {(m.key, m.step, m.value) for m in model.metrics if m.key == "eval/accuracy"} == {
+        ("eval/accuracy", 8, summary["eval_accuracy_after"])}
+    assert model.params["grpo.learning_rate"] == str(cfg.grpo.learning_rate)
     assert run.info.status == "FINISHED"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -316,6 +317,8 @@ def test_cli_sweep_prints_the_parent_run_and_the_dashboard(tmp_path, prefect_ser
         [MlflowClient(mlflow_server.uri).get_experiment_by_name("cli-sweep").experiment_id],
         filter_string="tags.`grpo.run_type` = 'sweep'")[0].info.run_id
     out = result.stdout
+    for bar in ("Loading weights", "Writing model shards", "Downloading artifacts", "Uploading artifacts", "it/s]"):
+        assert bar not in out + result.stderr, bar  # library progress bars (grpo.console)
     assert f"mlflow parent run: {parent} (compare again: grpo dashboard --experiment cli-sweep --sweep {parent}" in out
     assert f"dashboard: {tmp_path / 'runs' / 'lr' / 'dashboard.html'} (comparison, logged to MLflow as dashboard/" in out
 
@@ -404,3 +407,24 @@ def test_tpe_sweep_prunes_and_a_scheduled_run_continues_the_study(tmp_path, pref
     assert {t.user_attrs["sweep"] for t in study.trials} == {"night1", second["sweep_name"]}
     assert second["best"]["trial"] == study.best_trial.number  # the best over both nights
     assert (tmp_path / "night1" / "sweep.json").is_file() and Path(second["sweep_dir"]).is_dir()
+
+
+@pytest.mark.integration
+def test_metric_from_mlflow_reads_either_eval_naming(mlflow_server):
+    """``--metric`` falls back to the trial's MLflow metrics: ``eval/accuracy_after`` is read from a run that logs
+    eval/accuracy at step 0 and the last step as from one logged with the earlier single-point names."""
+    from mlflow.entities import Metric
+
+    from flows.sweep import _metric_value
+
+    client = MlflowClient(mlflow_server.uri)
+    exp = client.create_experiment(f"metric-names-{time.time_ns()}")
+    new, old = client.create_run(exp).info.run_id, client.create_run(exp).info.run_id
+    client.log_batch(new, metrics=[Metric("eval/accuracy", 0.25, 1, 0), Metric("eval/accuracy", 0.75, 2, 8)])
+    client.log_batch(old, metrics=[Metric("eval/accuracy_before", 0.2, 1, 0), Metric("eval/accuracy_after", 0.7, 2, 8)])
+    assert _metric_value({}, "eval/accuracy_after", client, new) == 0.75
+    assert _metric_value({}, "eval/accuracy_before", client, new) == 0.25
+    assert _metric_value({}, "eval/accuracy_after", client, old) == 0.7
+    assert _metric_value({}, "eval/accuracy", client, new) == 0.75  # the latest point: after training
+    assert _metric_value({"eval_accuracy_after": 0.5}, "eval_accuracy_after", client, new) == 0.5  # summary first
+    assert _metric_value({}, "eval/pass_at_8_after", client, new) is None

@@ -83,8 +83,14 @@ def test_metrics_params_tags_artifacts_round_trip(mlflow_server, make_tracker, t
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.info.run_name == "roundtrip"
-    # the experiment opens on MLflow's training-runs view, not the GenAI overview (#15)
+    # MLflow's kind for a training experiment (the UI's view is chosen by the links' workflowType: mlflow_ui_url)
     assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    # an experiment made before the tag (or by another tool) gets it at its next run's start
+    old_exp = client.create_experiment(f"untagged-{run_id[:8]}")
+    other = make_tracker(mlflow_server.uri, tmp_path / "untagged")
+    other.start("late", f"untagged-{run_id[:8]}")
+    assert other.close(timeout=10)
+    assert client.get_experiment(old_exp).tags["mlflow.experimentKind"] == "custom_model_development"
     for key in ("loss", "reward", "learning_rate", "epoch", "eval_pass_at_8"):  # the trainer's, under train/
         assert history_steps(client, run_id, f"train/{key}") == list(range(1, 31)), key
     assert not {"train/grad_norm", "train/note", "reward", "loss"} & set(run.data.metrics)  # NaN, non-numbers skipped
@@ -215,8 +221,13 @@ def test_log_model_transformers_flavour_offline(mlflow_server, make_tracker, tmp
     tokenizer.save_pretrained(model_dir)
 
     tracker = make_tracker(mlflow_server.uri)
-    run_id = tracker.start("with-model", "grpo-test")
-    info = log_model(tracker, model_dir, model_dir)
+    run_id = tracker.start("with-model", "grpo-test", params={"grpo.learning_rate": 3e-4, "grpo.beta": 0.0})
+    # as the recipe logs them: eval before training at step 0, training, eval after at the last step (still in the
+    # spool when the model is logged: log_model sends it first)
+    tracker.log_metrics({"eval/accuracy": 0.25, "eval/pass_at_4": 0.5}, step=0)
+    tracker.log_metrics({"train/reward": 0.4}, step=3)
+    tracker.log_metrics({"eval/accuracy": 0.75, "eval/pass_at_4": 0.9}, step=3)
+    info = log_model(tracker, model_dir, model_dir, step=3)
     assert tracker.close(timeout=10)
 
     client = MlflowClient(mlflow_server.uri)
@@ -224,6 +235,12 @@ def test_log_model_transformers_flavour_offline(mlflow_server, make_tracker, tmp
     assert [o.model_id for o in outputs] == [info.model_id]
     logged = client.get_logged_model(info.model_id)
     assert logged.source_run_id == run_id and str(logged.status) in ("READY", "LoggedModelStatus.READY")
+    # the model's page shows the evaluation after training (step 3), not the one before, and the run's params
+    linked = {m.key: (m.step, m.value) for m in logged.metrics}
+    assert linked["eval/accuracy"] == (3, 0.75) and linked["eval/pass_at_4"] == (3, 0.9), linked
+    assert logged.params == {"grpo.learning_rate": "0.0003", "grpo.beta": "0.0"}
+    # linking logged nothing twice in the run
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "eval/accuracy")] == [(0, 0.25), (3, 0.75)]
     files = {a.path for a in client.list_logged_model_artifacts(info.model_id)}
     assert {"MLmodel", "model", "components"} <= files, files
 

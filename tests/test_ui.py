@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -42,5 +43,44 @@ def test_grpo_ui_serves_both_and_stops_them(tmp_path):
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     time.sleep(1)
+    assert not healthy(f"http://127.0.0.1:{prefect_port}/api/health")
+    assert not healthy(f"http://127.0.0.1:{mlflow_port}/health")
+
+
+def test_second_grpo_ui_says_the_ports_are_taken_and_sigterm_stops_both_servers(tmp_path):
+    """A second ``grpo ui`` on the same ports says so in one line, naming the options that change them, and exits 2
+    before starting anything; SIGTERM to the first stops both of its servers (they run in sessions of their own)."""
+    import psutil
+
+    prefect_port, mlflow_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "grpo.app.cli", "ui", "--prefect-port", str(prefect_port),
+           "--mlflow-port", str(mlflow_port)]
+    first = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    servers: list = []
+    try:
+        line = ""
+        while "MLflow UI" not in line:
+            line = first.stdout.readline()
+            assert line or first.poll() is None, "grpo ui exited"
+        servers = psutil.Process(first.pid).children()
+        assert len(servers) == 2 and all(s.is_running() for s in servers)
+
+        second = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, (second.stdout, second.stderr)
+        assert second.stdout == ""
+        [message] = second.stderr.strip().splitlines()
+        assert message.startswith("error: ports ") and "already in use" in message, message
+        assert f"{prefect_port} (Prefect, --prefect-port)" in message and f"{mlflow_port} (MLflow, --mlflow-port)" in message
+        assert "--port " not in message  # not Prefect's own advice: grpo ui has no --port
+
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        gone, alive = psutil.wait_procs(servers, timeout=30)
+        for server in alive:  # left behind by a failing grpo ui: not by the test (each leads its own group)
+            os.killpg(server.pid, signal.SIGKILL)
+    assert not alive, [p.pid for p in alive]
     assert not healthy(f"http://127.0.0.1:{prefect_port}/api/health")
     assert not healthy(f"http://127.0.0.1:{mlflow_port}/health")

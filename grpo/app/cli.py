@@ -188,7 +188,27 @@ def run(
     before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]
     if before is not None and after is not None:
         typer.echo(f"accuracy {before:.3f} -> {after:.3f} ({after - before:+.3f}) in {summary['wall_seconds']:.0f}s")
+    typer.echo(f"model: {run_dir.model_dir}")
+    link = _mlflow_link(cfg, summary.get("mlflow_run_id"))
+    if link:
+        typer.echo(f"mlflow: {link}")
     typer.echo(f"summary: {run_dir.summary_file}")
+
+
+def _mlflow_link(cfg, run_id: str | None) -> str | None:
+    """The run's page in the MLflow UI, opening its training view (MLflow's own "View run" line opens the GenAI one
+    and is switched off by grpo.console.quiet_library_noise); None when the run is not tracked or not found."""
+    if not run_id:
+        return None
+    from mlflow import MlflowClient
+
+    from grpo.pipeline.tracking import mlflow_ui_url, resolve_tracking_uri
+
+    uri = resolve_tracking_uri(cfg.tracking.tracking_uri, Path.cwd())
+    try:
+        return mlflow_ui_url(uri, MlflowClient(uri).get_run(run_id).info.experiment_id, run_id)
+    except Exception:  # the store went away since the run: the summary still names the run id
+        return None
 
 
 @app.command()
@@ -231,7 +251,9 @@ def sweep(
         typer.echo(f"sweep: {checked.n_trials} trials ({checked.sampler_kind} sampler, {pruner} pruner), "
                    f"at most {max_concurrency} at once")
         from flows.sweep import SweepError, grpo_sweep
+        from grpo.console import quiet_library_noise
 
+        quiet_library_noise()  # also for what the sweep does itself: best model, dashboard (artifact downloads)
         try:
             with _stoppable(f"finished trials are in {Path(cfg.output_dir)}"):
                 result = grpo_sweep(config=cfg, space=space_data, max_concurrency=max_concurrency, metric=metric,
@@ -331,8 +353,10 @@ def dashboard(
     ] = None,
 ) -> None:
     """Write an HTML dashboard comparing the runs of an MLflow experiment or sweep (rewards, eval, final metrics)."""
+    from grpo.console import quiet_library_noise
     from grpo.pipeline.tracking import resolve_tracking_uri
 
+    quiet_library_noise()  # no "Downloading artifacts" bar for a sweep's importances
     uri = resolve_tracking_uri(tracking_uri, Path.cwd())
     try:
         from mlflow.exceptions import MlflowException
@@ -354,26 +378,33 @@ def ui(
     prefect_port: Annotated[int, typer.Option(help="Prefect UI/API port.")] = 4200,
     mlflow_port: Annotated[int, typer.Option(help="MLflow UI/API port.")] = 5000,
 ) -> None:
-    """Start the Prefect and MLflow servers on 127.0.0.1 over the local stores; Ctrl-C stops both."""
-    from grpo.app.ui import start_servers, stop_servers
+    """Start the Prefect and MLflow servers on 127.0.0.1 over the local stores; Ctrl-C or SIGTERM stops both."""
+    import time
 
+    from grpo.app import procguard
+    from grpo.app.ui import start_servers, stop_servers, taken_ports_message
+
+    taken = taken_ports_message(prefect_port, mlflow_port)
+    if taken:
+        _fail(taken)
+    procguard.install_signal_handlers()  # SIGTERM unwinds like Ctrl-C: the servers (own sessions) are stopped
+    procs: list = []
     try:
         procs = start_servers(Path.cwd(), prefect_port, mlflow_port)
+        typer.echo(f"Prefect UI: http://127.0.0.1:{prefect_port}    MLflow UI: http://127.0.0.1:{mlflow_port}")
+        typer.echo("To send new runs to these servers, in another shell:")
+        typer.echo(f"  export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api "
+                   f"MLFLOW_TRACKING_URI=http://127.0.0.1:{mlflow_port}")
+        while all(p.poll() is None for p in procs):
+            time.sleep(1)
     except RuntimeError as err:
         _fail(str(err))
-    typer.echo(f"Prefect UI: http://127.0.0.1:{prefect_port}    MLflow UI: http://127.0.0.1:{mlflow_port}")
-    typer.echo("To send new runs to these servers, in another shell:")
-    typer.echo(f"  export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api "
-               f"MLFLOW_TRACKING_URI=http://127.0.0.1:{mlflow_port}")
-    try:
-        while all(p.poll() is None for p in procs):
-            import time
-
-            time.sleep(1)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, procguard.Terminated):
         pass
     finally:
         stop_servers(procs)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @app.command()

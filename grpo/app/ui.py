@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,8 +34,34 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"{url}: not healthy after {timeout:.0f}s")
 
 
+def port_taken(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could not listen on ``host:port`` now (another ``grpo ui``, another program). Checked the way
+    the servers bind (address reuse on), so a port a stopped server left in TIME_WAIT counts as free."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def taken_ports_message(prefect_port: int, mlflow_port: int) -> str | None:
+    """One line naming the ports in use and the ``grpo ui`` options that change them; None when both are free.
+    Asked before starting anything: a server started on a taken port prints its own advice (Prefect's names a
+    ``--port`` flag ``grpo ui`` does not have) and exits."""
+    taken = [f"{port} ({what}, --{what.lower()}-port)" for port, what in ((prefect_port, "Prefect"),
+                                                                          (mlflow_port, "MLflow")) if port_taken(port)]
+    if not taken:
+        return None
+    ports = f"port{'s' if len(taken) > 1 else ''} {' and '.join(taken)}"
+    return f"{ports} already in use on 127.0.0.1 (another grpo ui?); pick free ones, e.g. grpo ui --prefect-port 4201 " \
+           "--mlflow-port 5001"
+
+
 def start_servers(project_dir: Path, prefect_port: int, mlflow_port: int) -> list[subprocess.Popen]:
-    """Start both servers bound to 127.0.0.1 and wait until they answer; returns the processes."""
+    """Start both servers bound to 127.0.0.1 and wait until they answer; returns the processes. Both are stopped when
+    either fails to come up or the wait is interrupted (Ctrl-C, SIGTERM)."""
     bin_dir = Path(sys.executable).parent
     uri = resolve_tracking_uri(None, project_dir)
     if not uri.startswith("sqlite:///"):
@@ -54,7 +81,7 @@ def start_servers(project_dir: Path, prefect_port: int, mlflow_port: int) -> lis
     try:
         wait_healthy(f"http://127.0.0.1:{prefect_port}/api/health", prefect, 120)
         wait_healthy(f"http://127.0.0.1:{mlflow_port}/health", mlflow, 120)
-    except RuntimeError:
+    except BaseException:
         stop_servers(procs)
         raise
     return procs

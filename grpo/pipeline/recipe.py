@@ -24,9 +24,9 @@ from grpo.pipeline.run_tracking import (
     end_status,
     eval_metrics,
     log_numbers,
+    log_plan,
     log_prep,
     log_run_artifacts,
-    plan_metrics,
     start_run_tracking,
 )
 from grpo.pipeline.stages import plan_summary, prep_summary
@@ -99,7 +99,7 @@ def _stages(cfg: ExperimentConfig, run: RunDir, stages: StageRunner, resume: boo
 
     # 2. Plan: the prompt schedule for every optimizer step, cached on the data and the batch layout.
     plan = distributed.decide_on_main(lambda: stages.plan(cfg, data_dir, prep["content_hash"]))
-    log_numbers(tracker, plan_metrics(plan))
+    log_plan(tracker, plan)
     log(plan_summary(plan))
     if main:
         run.write_json("inputs.json", {"data_dir": data_dir, "data_content_hash": prep["content_hash"],
@@ -110,7 +110,7 @@ def _stages(cfg: ExperimentConfig, run: RunDir, stages: StageRunner, resume: boo
     if main and before is None and cfg.evaluation.enabled and cfg.evaluation.before_training:
         before = stages.evaluate(cfg, "policy", data_dir, str(run.path / "eval_before.json"), "before")
     if before is not None:
-        log_numbers(tracker, eval_metrics(before, "before"), step=0)
+        log_numbers(tracker, eval_metrics(before), step=0)
         log(f"eval before: accuracy {before['accuracy']:.3f}")
 
     # 4. GRPO on every rank, resuming from the last checkpoint when there is one.
@@ -122,12 +122,12 @@ def _stages(cfg: ExperimentConfig, run: RunDir, stages: StageRunner, resume: boo
     after = None
     if cfg.evaluation.enabled:
         after = stages.evaluate(cfg, trained["model_dir"], data_dir, str(run.path / "eval_after.json"), "after")
-        log_numbers(tracker, eval_metrics(after, "after"), step=trained["steps"])
+        log_numbers(tracker, eval_metrics(after), step=trained["steps"])
         log(f"eval after: accuracy {after['accuracy']:.3f}")
     summary = write_summary(cfg, run, trained, before, after, prep["content_hash"], time.perf_counter() - started,
                             mlflow_run_id=tracker.run_id if tracker is not None else None, **summary_extra)
     if tracker is not None:
-        log_run_artifacts(tracker, cfg, run, data_dir, plan["plan_path"])
+        log_run_artifacts(tracker, cfg, run, data_dir, plan["plan_path"], step=trained["steps"])
     stages.finished(summary)
     return summary
 

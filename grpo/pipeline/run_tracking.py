@@ -1,7 +1,11 @@
 """What one experiment run records in MLflow, stage by stage: shared by the Prefect pipeline (``flows/pipeline.py``)
 and the multi-process recipe (``grpo/pipeline/experiment.py`` under torchrun / accelerate launch), so both log the same
-names: ``prep/*``, ``plan/*``, every trainer metric (through :class:`grpo.pipeline.tracking.MlflowCallback`),
-``eval/accuracy_before|after``, ``eval/pass_at_k_*``, and the run's artifacts and model."""
+names: every trainer metric as ``train/<TRL name>`` (through :class:`grpo.pipeline.tracking.MlflowCallback`),
+``eval/accuracy`` and ``eval/pass_at_<k>`` at step 0 (before training) and at the last step (after), the prep and plan
+figures as params (``prep.rows_valid``, ``plan.generation_rounds``, ...), and the run's artifacts and model.
+
+Metrics are what changes over steps: MLflow draws one chart per metric key, so a one-off figure logged as a metric
+is a single-bar chart that pushes the training curves down the run page and opens the Compare view on a constant."""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from grpo.config import ExperimentConfig, flatten
 from grpo.runs import RunDir
 import yaml
 
+from grpo.formatting import human_number
+from grpo.pipeline.metric_keys import EVAL_ACCURACY, EVAL_PREFIX
 from grpo.pipeline.tracking import MlflowTracker, log_model, redact, tracker_from_config
 
 
@@ -62,18 +68,20 @@ def log_numbers(tracker: MlflowTracker | None, metrics: Mapping[str, Any], step:
         tracker.log_metrics(metrics, step=step)  # the tracker keeps the numbers (grpo.pipeline.tracking.numeric_metrics)
 
 
-def prep_metrics(stats: Mapping[str, Any]) -> dict[str, float]:
-    return {"prep/rows_in": stats["rows_in"], "prep/rows_valid": stats["rows_valid"],
-            "prep/rows_quarantined": stats["rows_quarantined"],
-            **{f"prep/prompt_chars_{k}": v for k, v in (stats.get("prompt_chars") or {}).items()}}
+def prep_params(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """The prep stage's figures as params: row counts and prompt length statistics."""
+    return {"prep.rows_in": stats["rows_in"], "prep.rows_valid": stats["rows_valid"],
+            "prep.rows_quarantined": stats["rows_quarantined"],
+            **{f"prep.prompt_chars_{k}": human_number(v) for k, v in (stats.get("prompt_chars") or {}).items()}}
 
 
 def log_prep(tracker: MlflowTracker | None, stats: Mapping[str, Any]) -> None:
-    """The prep stage in MLflow: its row counts as metrics and each split as a dataset input (name, content hash,
-    where it was written, rows valid and quarantined), so the run page's Datasets column says what it trained on."""
+    """The prep stage in MLflow: its figures as params (:func:`prep_params`) and each split as a dataset input (name,
+    content hash, where it was written, rows valid and quarantined), so the run page's Datasets column says what it
+    trained on."""
     if tracker is None:
         return
-    log_numbers(tracker, prep_metrics(stats))
+    tracker.log_params(prep_params(stats))
     data_dir = Path(stats["data_dir"])
     tracker.log_datasets([
         {"name": f"{stats['source']}:{split}", "digest": stats["content_hash"], "source": data_dir / f"{split}.parquet",
@@ -83,23 +91,32 @@ def log_prep(tracker: MlflowTracker | None, stats: Mapping[str, Any]) -> None:
         for split, counts in stats["splits"].items()])
 
 
-def plan_metrics(plan: Mapping[str, Any]) -> dict[str, float]:
+def plan_params(plan: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampler plan's figures as params: generation rounds, epochs and the predicted token imbalance."""
     imbalance = (plan.get("predicted_imbalance") or {}).get("plan_order") or {}
-    return {"plan/generation_rounds": plan["generation_rounds"], "plan/epochs": plan["epochs"],
-            **{f"plan/imbalance_{k}": v for k, v in imbalance.items() if isinstance(v, (int, float))}}
+    return {"plan.generation_rounds": plan["generation_rounds"], "plan.epochs": plan["epochs"],
+            **{f"plan.imbalance_{k}": human_number(v) for k, v in imbalance.items() if isinstance(v, (int, float))}}
 
 
-def eval_metrics(record: Mapping[str, Any], tag: str) -> dict[str, float]:
-    out = {f"eval/accuracy_{tag}": record["accuracy"]}
+def log_plan(tracker: MlflowTracker | None, plan: Mapping[str, Any]) -> None:
+    if tracker is not None:
+        tracker.log_params(plan_params(plan))
+
+
+def eval_metrics(record: Mapping[str, Any]) -> dict[str, float]:
+    """An evaluation record as metrics: ``eval/accuracy`` and ``eval/pass_at_<k>``. The same names before and after
+    training (logged at step 0 and at the last step), so each reads as one line over the run."""
+    out = {EVAL_ACCURACY: record["accuracy"]}
     for key, value in record.items():
         if key.startswith("pass@") and value is not None:
-            out[f"eval/{key.replace('@', '_at_')}_{tag}"] = value
+            out[f"{EVAL_PREFIX}{key.replace('@', '_at_')}"] = value
     return out
 
 
 def log_run_artifacts(tracker: MlflowTracker, cfg: ExperimentConfig, run: RunDir, data_dir: str | Path,
-                      plan_path: str | Path) -> None:
-    """Resolved config, dataset stats and quarantine, plan summary, eval sample tables, summary, and the model."""
+                      plan_path: str | Path, step: int) -> None:
+    """Resolved config, dataset stats and quarantine, plan summary, eval sample tables, summary, and the model
+    (logged at the last training ``step``, so it carries the evaluation after training and the run's params)."""
     redacted = run.path / "tracking_spool" / "config.yaml"  # the resolved config, secrets masked (see redact)
     redacted.parent.mkdir(parents=True, exist_ok=True)
     redacted.write_text(yaml.safe_dump(redact("", cfg.model_dump(mode="json", by_alias=True)), sort_keys=False))
@@ -114,6 +131,6 @@ def log_run_artifacts(tracker: MlflowTracker, cfg: ExperimentConfig, run: RunDir
                               f"eval/samples_{tag}.json")
     tracker.log_artifact(run.summary_file)
     if cfg.tracking.log_model:
-        log_model(tracker, run.model_dir, run.model_dir)  # with model.lora: the adapter (a peft model)
+        log_model(tracker, run.model_dir, run.model_dir, step=step)  # with model.lora: the adapter (a peft model)
         if cfg.model.lora.enabled and cfg.model.lora.save_merged and run.merged_model_dir.is_dir():
-            log_model(tracker, run.merged_model_dir, run.merged_model_dir, name="merged_model")
+            log_model(tracker, run.merged_model_dir, run.merged_model_dir, name="merged_model", step=step)

@@ -104,9 +104,24 @@ def sanitize_metric_key(key: str) -> str:
     return out[:MAX_ENTITY_KEY_LENGTH]
 
 
-# MLflow 3's UI opens an experiment without this tag on its GenAI "Overview" page; a training experiment belongs in
-# the runs view with metric charts ("custom_model_development", what MLflow's own training guides create).
+# What kind of experiment this is, as MLflow names it: model training ("custom_model_development", what MLflow's own
+# training guides create), not a GenAI app. Set on new experiments and added to existing ones at a run's start. The
+# MLflow UI (3.17.2) does not choose its view from it, though: see MLFLOW_UI_QUERY.
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+
+# MLflow's UI (3.17.2) opens an experiment on the view of its "workflow type" switch (GenAI, the default, shows the
+# traces Overview; machine learning shows the runs with their charts). The switch is the page URL's ``workflowType``
+# parameter, else the browser's last choice (local storage), else GenAI; the experiment's mlflow.experimentKind tag
+# is not read. So every MLflow link the platform prints carries the parameter (mlflow_ui_url).
+MLFLOW_UI_QUERY = "workflowType=machine_learning"
+
+
+def mlflow_ui_url(tracking_uri: str, experiment_id: str, run_id: str | None = None) -> str:
+    """The MLflow UI page of an experiment (its runs view) or of one of its runs: on the tracking server, or on
+    ``grpo ui``'s MLflow server (port 5000) for a local SQLite store."""
+    base = tracking_uri.rstrip("/") if _is_http(tracking_uri) else "http://127.0.0.1:5000"
+    page = f"/#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
+    return f"{base}{page}?{MLFLOW_UI_QUERY}"
 
 _SECRET_KEY = re.compile(r"token|secret|passw|api_?key|credential|private_key", re.IGNORECASE)
 REDACTED = "***"
@@ -313,6 +328,9 @@ class MlflowTracker:
                 if exp.lifecycle_stage == "deleted":
                     self.client.restore_experiment(exp.experiment_id)
                 self.experiment_id = exp.experiment_id
+                for key, value in EXPERIMENT_TAGS.items():  # experiments made before the tag, or by another tool
+                    if exp.tags.get(key) != value:
+                        self.client.set_experiment_tag(exp.experiment_id, key, value)
             run = self.client.create_run(
                 self.experiment_id, run_name=run_name, tags={k: _tag_value(v) for k, v in (tags or {}).items()}
             )
@@ -703,8 +721,14 @@ def log_model(
     tokenizer_dir: str | Path | None = None,
     name: str = "model",
     task: str = "text-generation",
+    step: int = 0,
 ):
     """Log the trained model with MLflow's ``transformers`` flavour, linked to the tracker's run.
+
+    MLflow 3 links a logged model to the run's metrics at ``step`` (the model's page lists them): pass the last
+    training step, where the evaluation after training is logged (``eval/accuracy``), not step 0 where the one before
+    training is. The metrics are flushed to MLflow first so they are there to link; the run's params are set on the
+    model too (MLflow copies them only for a model it creates itself).
 
     Works offline: the model is loaded from an absolute local path (its ``name_or_path`` is then not a valid hub
     repo id, so the flavour's license lookup fails locally without a request), a local model card is passed so the
@@ -738,8 +762,12 @@ def log_model(
         f"---\nlicense: other\ntags: [grpo]\n---\n# {name}\n\nGRPO-trained model from MLflow run {tracker.run_id}.\n"
     )
     client = tracker.client
+    if not tracker.flush(timeout=60):
+        _log.warning("tracking: metrics not yet in MLflow; the logged model %r is not linked to them", name)
+    params = client.get_run(tracker.run_id).data.params
     logged = client.create_logged_model(
         experiment_id=tracker.experiment_id, name=name, source_run_id=tracker.run_id, model_type="transformers",
+        params=params,
     )
     with use_tracking_uri(tracker.tracking_uri), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -751,6 +779,7 @@ def log_model(
             pip_requirements=_pip_requirements(("peft",) if adapter else ()),
             run_id=tracker.run_id,
             model_id=logged.model_id,
+            step=step,
             **extra,
         )
     try:
