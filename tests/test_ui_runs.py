@@ -109,6 +109,9 @@ class Served:
 def served(prefect_server, mlflow_server, tmp_path_factory):
     home = tmp_path_factory.mktemp("serve-home")
     (home / "gated_reward.py").write_text(GATED_REWARD)
+    from grpo.rewards import load_reward_module
+
+    load_reward_module(home / "gated_reward.py")  # this process reads the runs' configs, which name it
     env = prefect_server.env(MLFLOW_TRACKING_URI=mlflow_server.uri, GRPO_REWARD_MODULES=str(home / "gated_reward.py"),
                              GRPO_TEST_GATE=str(home / "gate"))
     s = Served(prefect_server, home, env)
