@@ -39,12 +39,41 @@ def test_grpo_ui_serves_both_and_stops_them(tmp_path):
         assert healthy(f"http://127.0.0.1:{prefect_port}/api/health")
         assert healthy(f"http://127.0.0.1:{mlflow_port}/health")
         assert (tmp_path / "mlflow.db").is_file()  # the project folder's local store
+        _experiment_opens_on_its_runs(f"http://127.0.0.1:{mlflow_port}")
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     time.sleep(1)
     assert not healthy(f"http://127.0.0.1:{prefect_port}/api/health")
     assert not healthy(f"http://127.0.0.1:{mlflow_port}/health")
+
+
+def _experiment_opens_on_its_runs(uri: str) -> None:
+    """#31: in a browser that never chose a view, an experiment reached from MLflow's own experiment list (a link
+    without workflowType) opened on MLflow 3's GenAI overview; grpo ui's MLflow opens it on its runs."""
+    import re
+
+    from mlflow import MlflowClient
+    from playwright.sync_api import sync_playwright
+
+    from tests.browser import CHROMIUM, CHROMIUM_ARGS, SCREENSHOTS, require_chromium
+
+    require_chromium()
+    client = MlflowClient(uri)
+    experiment_id = client.create_experiment("grpo-ui-view")
+    client.set_terminated(client.create_run(experiment_id, run_name="ui-view-run").info.run_id)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_context().new_page()  # a fresh profile: no view chosen before
+            page.goto(f"{uri}/", wait_until="load", timeout=60_000)
+            page.get_by_role("link", name="grpo-ui-view").first.click(timeout=60_000)
+            page.wait_for_url(re.compile(rf".*/experiments/{experiment_id}/\w+.*"), timeout=60_000)
+            url = page.url
+            page.screenshot(path=str(SCREENSHOTS / "mlflow-grpo-ui-experiment.png"))
+        finally:
+            browser.close()
+    assert f"/experiments/{experiment_id}/runs" in url and "/overview" not in url, url
 
 
 def test_second_grpo_ui_says_the_ports_are_taken_and_sigterm_stops_both_servers(tmp_path):

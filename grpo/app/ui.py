@@ -73,7 +73,8 @@ def start_servers(project_dir: Path, prefect_port: int, mlflow_port: int) -> lis
         env=env, start_new_session=True,
     )
     mlflow = subprocess.Popen(
-        [str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1",
+        [str(bin_dir / "mlflow"), "server", "--app-name", "grpo", "--host", "127.0.0.1", "--port", str(mlflow_port),
+         "--workers", "1",
          "--backend-store-uri", uri, "--default-artifact-root", str(artifacts)],
         env=env, start_new_session=True,
     )
