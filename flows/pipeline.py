@@ -62,6 +62,8 @@ def train_flow(config: ExperimentConfig, run_dir: str, data_dir: str, plan_path:
             raise
         message = stopped_message(run, signal_name)
         logger.warning(message)
+        if isinstance(err, KeyboardInterrupt):  # asyncio turns a KeyboardInterrupt re-raised from a state into
+            raise  # CancelledError: Ctrl-C unwinds as it is (the CLI marks its flow runs Cancelled)
         return Cancelled(message=message, data=err)  # the pipeline's call re-raises err
 
 
@@ -203,7 +205,7 @@ def grpo_pipeline(
         # Cancel in the UI (the runner's SIGTERM) or Ctrl-C: the run ends Cancelled, not Crashed; a caller in Python
         # (the CLI) gets the signal's exception itself and exits 130 / 143
         signal_name = _stop_signal(err)
-        if signal_name is None:
+        if signal_name is None or isinstance(err, KeyboardInterrupt):  # see train_flow
             raise
         return Cancelled(message=stopped_message(run, signal_name), data=err)
 

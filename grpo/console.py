@@ -42,6 +42,19 @@ class _DropRecords(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
+class _ReportedError(logging.Filter):
+    """Prefect's engine logs a failed flow run's exception once more, with its traceback, after the run has ended
+    ("Engine execution exited with unexpected exception"). A platform error (a bad value, a changed config on resume)
+    has been said in one line by then, and is the state's message: the traceback would only bury it in the UI."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from grpo.errors import GRPOPlatformError
+
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, GRPOPlatformError)
+                    and str(record.msg).startswith("Engine execution exited with unexpected exception"))
+
+
 # Environment settings of the same kind, for this process and the ones it starts (unless the user set them): MLflow's
 # progress bars of artifact uploads and downloads (one per logged model, one per dashboard of a sweep), and its "View
 # run" / "View experiment" lines at each run's end, whose links open MLflow's GenAI view (the CLI prints the run's
@@ -60,6 +73,9 @@ def quiet_library_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropRecords) and f.prefix == prefix for f in logger.filters):
             logger.addFilter(_DropRecords(prefix))
+    flow_runs = logging.getLogger("prefect.flow_runs")
+    if not any(isinstance(f, _ReportedError) for f in flow_runs.filters):
+        flow_runs.addFilter(_ReportedError())
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -300,7 +300,7 @@ def test_deploy_creates_pools_and_deployments_with_schedule(prefect_server, depl
     [schedule] = nightly["schedules"]
     assert schedule["active"] and schedule["schedule"]["cron"] == "0 2 * * *"
     assert schedule["schedule"]["timezone"] == "UTC"
-    assert set(nightly["parameters"]) == {"preset", "space", "max_concurrency", "metric", "direction"}
+    assert set(nightly["parameters"]) == {"preset", "space", "max_steps", "max_concurrency", "metric", "direction"}
 
 
 @pytest.mark.integration
@@ -431,8 +431,10 @@ def test_sweep_triggered_through_the_api_runs_on_a_process_worker(prefect_server
     model_name = f"sweep-worker-{tmp_path.name}"
     nightly = s.get("deployments/name/grpo-sweep/nightly")
     created = s.post(f"deployments/{nightly['id']}/create_flow_run", {"parameters": {
-        "config": cfg.model_dump(mode="json", by_alias=True), "preset": None, "space": space, "max_concurrency": 2,
-        "sweep_name": "sw", "registered_model_name": model_name}})  # preset None: this config, not the deployment's
+        "config": cfg.model_dump(mode="json", by_alias=True), "preset": None, "max_steps": None,  # this config's
+        "space": space, "max_concurrency": 2,
+        "sweep_name": "sw", "registered_model_name": model_name}})  # None: this config and its steps, not the
+    # deployment's preset and 50 steps per trial
     assert created.status_code == 201, created.text
     flow_run_id = created.json()["id"]
     worker = s.run(str(BIN / "prefect"), "worker", "start", "--pool", "cpu-pool", "--run-once", "--name",

@@ -354,12 +354,17 @@ def test_ctrl_c_stops_a_sweep_its_running_trial_checkpoints_and_all_runs_end_can
     import optuna
 
     storage = f"sqlite:///{tmp_path / 'runs' / 'optuna.db'}"
-    assert [t.state.name for t in optuna.load_study(study_name="stopped", storage=storage).trials] == ["FAIL"]
+    # the running trial FAIL; the grid's point that never started stays enqueued (WAITING), nothing is left RUNNING
+    assert [t.state.name for t in optuna.load_study(study_name="stopped", storage=storage).trials] == ["FAIL",
+                                                                                                  "WAITING"]
     short = [s for s in sets if not s.startswith("grpo.max_steps")] + ["grpo.max_steps=2"]
     rerun = subprocess.run([sys.executable, "-m", "grpo.app.cli", "sweep", "--config", str(MICRO), "--space",
                             str(tmp_path / "space.yaml"), "--name", "stopped-again", "--study", "stopped",
                             "--max-concurrency", "1", *(a for s in short for a in ("--set", s))],
                            cwd=tmp_path, env=prefect_server.env(), capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, (rerun.stdout[-3000:], rerun.stderr[-3000:])
+    again = json.loads((tmp_path / "runs" / "stopped-again" / "sweep.json").read_text())
+    assert [(t["trial"], t["status"]) for t in again["trials"]] == [(1, "completed"), (2, "completed")]
     trials = optuna.load_study(study_name="stopped", storage=storage).trials
-    assert [(t.number, t.state.name) for t in trials] == [(0, "FAIL"), (1, "COMPLETE"), (2, "COMPLETE")]
+    assert trials[0].state.name == "FAIL" and [t.state.name for t in trials[1:3]] == ["COMPLETE", "COMPLETE"]
+    assert "RUNNING" not in {t.state.name for t in trials}
