@@ -188,12 +188,19 @@ class PrefectServer:
 
     def _request(self, method: str, path: str, **kw):
         """One API call; a 503 (the shared SQLite-backed server busy for a moment under the suite's load) is retried
-        for up to a minute, anything else is returned as it is."""
+        for up to two minutes, and so is a read that timed out (a loaded machine) when the call only reads (GET, a
+        ``/filter`` query: asking again creates nothing); anything else is returned or raised as it is."""
         import httpx
 
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
+        reads = method == "GET" or path.endswith("/filter")
         while True:
-            response = httpx.request(method, f"{self.url}/{path}", timeout=30, **kw)
+            try:
+                response = httpx.request(method, f"{self.url}/{path}", timeout=30, **kw)
+            except httpx.TimeoutException:
+                if not reads or time.monotonic() > deadline:
+                    raise
+                continue
             if response.status_code != 503 or time.monotonic() > deadline:
                 return response
             time.sleep(1)
