@@ -57,14 +57,7 @@ def train_flow(config: ExperimentConfig, run_dir: str, data_dir: str, plan_path:
         return grpo.pipeline.stages.train_stage(config, run, data_dir, plan_path, resume, callbacks=callbacks,
                                                 log=logger.info)
     except BaseException as err:
-        signal_name = _stop_signal(err)
-        if signal_name is None:
-            raise
-        message = stopped_message(run, signal_name)
-        logger.warning(message)
-        if isinstance(err, KeyboardInterrupt):  # asyncio turns a KeyboardInterrupt re-raised from a state into
-            raise  # CancelledError: Ctrl-C unwinds as it is (the CLI marks its flow runs Cancelled)
-        return Cancelled(message=message, data=err)  # the pipeline's call re-raises err
+        return _cancelled(err, run, logger.warning)  # the pipeline's call re-raises err
 
 
 def _stop_signal(err: BaseException) -> str | None:
@@ -72,10 +65,25 @@ def _stop_signal(err: BaseException) -> str | None:
     error."""
     if isinstance(err, KeyboardInterrupt):
         return "SIGINT"
-    if isinstance(err, Exception) or isinstance(err, (SystemExit, GeneratorExit)):
+    if isinstance(err, (Exception, SystemExit, GeneratorExit)):
         return None
     signum = getattr(err, "signum", None) or getattr(err, "signal", None)
     return signal.Signals(signum).name if signum else None
+
+
+def _cancelled(err: BaseException, run: RunDir, say=None):
+    """The Cancelled state a flow returns when a signal stopped it (``say`` logs the message first); re-raises
+    ``err`` when it is an error, or Ctrl-C: asyncio turns a KeyboardInterrupt re-raised from a state into
+    CancelledError, so Ctrl-C unwinds as it is (the CLI marks its flow runs Cancelled)."""
+    signal_name = _stop_signal(err)
+    if signal_name is None:
+        raise err
+    message = stopped_message(run, signal_name)
+    if say is not None:
+        say(message)
+    if isinstance(err, KeyboardInterrupt):
+        raise err
+    return Cancelled(message=message, data=err)
 
 
 def stopped_message(run: RunDir, signal_name: str) -> str:
@@ -202,12 +210,9 @@ def grpo_pipeline(
         return run_recipe(config, run, PrefectStages(), resume=resume, log=logger.info, tags=tags,
                           summary_extra={"prefect_flow_run_id": flow_run_id})
     except BaseException as err:
-        # Cancel in the UI (the runner's SIGTERM) or Ctrl-C: the run ends Cancelled, not Crashed; a caller in Python
-        # (the CLI) gets the signal's exception itself and exits 130 / 143
-        signal_name = _stop_signal(err)
-        if signal_name is None or isinstance(err, KeyboardInterrupt):  # see train_flow
-            raise
-        return Cancelled(message=stopped_message(run, signal_name), data=err)
+        # Cancel in the UI (the runner's SIGTERM): the run ends Cancelled, not Crashed; a caller in Python (the CLI)
+        # gets the signal's exception itself and exits 143
+        return _cancelled(err, run)
 
 
 def mlflow_run_url(tracking_uri: str, experiment_id: str | None, run_id: str) -> str:
