@@ -39,7 +39,7 @@ def one_weight_per_reward(cfg: ExperimentConfig) -> None:
         )
 
 
-# ---------------------------------------------------------------- batch layout (TRL's derivation, grpo.algo.batch_layout)
+# ---------------------------------------------------------------- batch layout (grpo.algo.batch_layout)
 
 
 def generation_batch_set_one_way(cfg: ExperimentConfig) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from grpo.algo.batch_layout import BatchLayout, batch_layout
+from grpo.algo.batch_layout import BatchLayout
 from grpo.config.rules import check_rules
 from grpo.config.trl_and_rewards import check_extra_fields, check_report_to, reward_enum, trl_help
 
@@ -464,7 +464,18 @@ class ExperimentConfig(_Section):
     @property
     def batch_layout(self) -> BatchLayout:
         """World size, per-device batch, steps per generation, prompts per rank and round (TRL's derivation)."""
-        return batch_layout(self)
+        # The layout of this config: its ``grpo`` batch fields and ``sampling`` world.
+        g, s = self.grpo, self.sampling
+        return BatchLayout.derive(
+            world_size=s.world_size,
+            sequence_parallel_degree=s.sequence_parallel_degree,
+            per_device_train_batch_size=g.per_device_train_batch_size,
+            gradient_accumulation_steps=g.gradient_accumulation_steps,
+            num_generations=g.num_generations,
+            num_iterations=g.num_iterations,
+            generation_batch_size=g.generation_batch_size,
+            steps_per_generation=g.steps_per_generation,
+        )
 
     @property
     def generation_batch_size(self) -> int:
