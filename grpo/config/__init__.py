@@ -7,7 +7,7 @@ with the field's dotted path and the valid values.
 Presets ship inside the package (``grpo/presets/*.yaml``, read with :mod:`importlib.resources`): ``load_config`` takes
 a file or a preset name. The defaults are the ``tiny`` preset's values except ``DEFAULTS_NOT_FROM_TINY``.
 
-The package's modules, each imported only by those after it:
+The package's modules, in import order (:mod:`.rules` names :class:`ExperimentConfig` in type hints only):
 
 * :mod:`.trl_and_rewards`: the checks against TRL's ``GRPOConfig`` fields, transformers' loggers and the reward
   registry, and the Prefect form's help and reward choices from them; the config's only imports from above it;
