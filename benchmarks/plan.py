@@ -30,7 +30,8 @@ def _child(out_dir: str, n_prompts: int, max_steps: int) -> None:
     import numpy as np
 
     from grpo.config import load_config
-    from grpo.algo.plan import build_plan, read_plan_indices
+    from grpo.algo.plan import read_plan_indices
+    from grpo.pipeline.plans import build_plan
 
     base = load_config(None, [f"grpo.per_device_train_batch_size={PER_DEVICE}", f"grpo.num_generations={GENERATIONS}",
                               f"grpo.max_steps={max_steps}", "grpo.gradient_accumulation_steps=1"])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from grpo.algo.batch_layout import BatchLayout
-from grpo.algo.plan import plan_spec
 from grpo.config import load_config
 from grpo.pipeline.cache_dirs import plan_dir_for
+from grpo.pipeline.plans import plan_spec
 
 SMALL = ["grpo.per_device_train_batch_size=32"]  # 4 prompts x 8 completions a micro-step
 BASE = load_config(None, SMALL)
@@ -114,3 +114,22 @@ def test_derive_follows_trl_precedence():
     by_gbs = BatchLayout.derive(**common, generation_batch_size=16)
     assert (by_gbs.steps_per_generation, by_gbs.steps_per_generation_from) == (2, "grpo.generation_batch_size")
     assert BatchLayout.derive(**common).steps_per_generation_from == "grpo.gradient_accumulation_steps"
+
+
+def test_plan_spec_holds_the_layout_and_declares_none_of_its_numbers():
+    """One batch arithmetic: the plan's spec is the config's layout plus the run's settings; it neither re-declares
+    the layout's fields nor re-derives its sizes (it reads them through the layout)."""
+    import dataclasses
+
+    from grpo.algo.plan import PlanSpec
+
+    cfg = make_cfg({"world_size": 4, "sequence_parallel_degree": 2}, per_device_train_batch_size=8, num_generations=4,
+                   gradient_accumulation_steps=2)
+    spec = plan_spec(cfg)
+    assert spec.layout == cfg.batch_layout
+    layout_names = {f.name for f in dataclasses.fields(BatchLayout)} | {
+        name for name, value in vars(BatchLayout).items() if isinstance(value, property)}
+    own_fields = {f.name for f in dataclasses.fields(PlanSpec)} - {"layout"}
+    own_properties = {name for name, value in vars(PlanSpec).items() if isinstance(value, property)}
+    assert own_fields.isdisjoint(layout_names) and own_properties.isdisjoint(layout_names)
+    assert spec.prompts_per_round == cfg.batch_layout.prompts_per_round  # read through, as plan files name them

@@ -3,12 +3,17 @@
 - ``grpo.app`` (CLI, serve/deploy, ui, process supervision) is the only part of ``grpo`` that imports ``flows/``,
   ``dashboards/``, Prefect or typer; ``flows/`` and ``dashboards/`` never import ``grpo.app``.
 - ``grpo.algo`` holds the algorithms on numpy/torch only: no TRL, transformers, accelerate, peft, datasets, MLflow
-  or Prefect, and no other ``grpo`` layer than itself, ``grpo.config`` and ``grpo.errors``.
+  or Prefect, and no other ``grpo`` module than itself and ``grpo.errors``: not the config either (not even for type
+  hints), so the config can build its batch layout from ``grpo.algo`` without a cycle; algo takes plain numbers.
 - ``grpo.rewards`` (registry, worker pool, streaming) imports no training stack and no ``grpo`` layer above it.
 - ``grpo.training`` (the TRL extension, policy, evaluation) never imports the pipeline, the app, MLflow or Prefect;
   ``grpo.pipeline`` (recipe, stages, data, tracking) never imports the app or Prefect.
-- TRL, accelerate and peft are imported only by the training layer, and by ``grpo.config`` (it checks fields
-  against TRL's ``GRPOConfig``) and ``grpo.distributed`` (accelerate's process state); transformers besides only by
+- ``grpo.config`` imports below it only: ``grpo.errors``, the batch layout (``grpo.algo.batch_layout``) and the
+  synthetic tasks (``grpo.tasks``). One module reaches up, ``grpo.config.trl_and_rewards`` (TRL's ``GRPOConfig``
+  fields and help, transformers' loggers, the reward registry), and only inside its functions: importing the config
+  imports none of them.
+- TRL, accelerate and peft are imported only by the training layer, and by ``grpo.config.trl_and_rewards`` and
+  ``grpo.distributed`` (accelerate's process state); transformers besides only by
   the trainer-callback adapters (``grpo.pipeline.tracking``, ``flows.stages``) and ``grpo.console`` (log levels).
 - MLflow is imported only where runs are tracked (``grpo.pipeline.tracking``, ``grpo.pipeline.run_tracking``), by the app, the flows
   (a sweep's parent run) and the dashboards; ``dashboards/`` never import Prefect.
@@ -20,6 +25,9 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,12 +88,44 @@ def test_flows_and_dashboards_never_import_the_app():
 def test_algorithms_depend_on_numpy_and_torch_only():
     def allowed(mod: str, imp: str) -> bool:
         if top(imp) == "grpo":
-            return imp == "grpo" or any(under(imp, p) for p in ("grpo.algo", "grpo.config", "grpo.errors"))
+            return any(under(imp, p) for p in ("grpo.algo", "grpo.errors"))
         return top(imp) not in TRAINING_STACK | {"mlflow", "prefect", "flows", "dashboards"}
 
     mods = modules("grpo/algo")
-    assert {"grpo.algo.sampling", "grpo.algo.balance", "grpo.algo.batch_layout"} <= set(mods)
+    assert {"grpo.algo.sampling", "grpo.algo.balance", "grpo.algo.batch_layout", "grpo.algo.plan"} <= set(mods)
     assert violations(mods, allowed) == []
+
+
+CONFIG_REACHES_UP = "grpo.config.trl_and_rewards"  # the config's one module that imports from above it
+
+
+def test_config_imports_below_it_and_reaches_up_in_one_module():
+    below = ("grpo.config", "grpo.errors", "grpo.algo.batch_layout", "grpo.tasks")
+
+    def allowed(mod: str, imp: str) -> bool:
+        if mod == CONFIG_REACHES_UP and (top(imp) in {"trl", "transformers"} or under(imp, "grpo.rewards")):
+            return True
+        if top(imp) == "grpo":
+            return imp == "grpo" or any(under(imp, p) for p in below)
+        return top(imp) not in TRAINING_STACK | {"torch", "numpy", "mlflow", "prefect", "flows", "dashboards"}
+
+    mods = modules("grpo/config")
+    assert {"grpo.config", "grpo.config.sections", "grpo.config.rules", "grpo.config.loading",
+            CONFIG_REACHES_UP} <= set(mods)
+    assert violations(mods, allowed) == []
+
+
+def test_importing_the_config_imports_nothing_above_it():
+    """``grpo.config.trl_and_rewards`` imports TRL, transformers and the rewards when a check or the form needs them,
+    never at import: every ``grpo`` command and test imports the config."""
+    code = "import sys, grpo.config; print(' '.join(sorted(sys.modules)))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    loaded = set(subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True,
+                                cwd=ROOT).stdout.split())
+    assert "grpo.config.trl_and_rewards" in loaded
+    above = {"trl", "transformers", "torch", "grpo.rewards", "grpo.training", "grpo.pipeline", "grpo.app", "mlflow",
+             "prefect"}
+    assert sorted(m for m in loaded if any(under(m, a) for a in above)) == []
 
 
 def test_rewards_import_no_training_stack_and_no_higher_layer():
@@ -122,7 +162,7 @@ def test_the_training_stack_stays_in_the_training_layer():
     def allowed(mod: str, imp: str) -> bool:
         if under(mod, "grpo.training") or top(imp) not in {"trl", "transformers", "accelerate", "peft"}:
             return True
-        if mod in {"grpo.config", "grpo.distributed"}:
+        if mod in {"grpo.config.trl_and_rewards", "grpo.distributed"}:
             return top(imp) in {"trl", "transformers", "accelerate"}
         return top(imp) == "transformers" and mod in callbacks
 

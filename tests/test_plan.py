@@ -21,10 +21,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo.algo import plan
-from grpo.algo.plan import PlanExistsError, PlanSampler, build_plan, plan_spec, read_plan_indices
+from grpo.algo.plan import PlanExistsError, PlanSampler, read_plan_indices
 from grpo.algo.sampling import SequenceParallelRepeatRandomSampler
 from grpo.config import load_config
 from grpo.errors import ConfigError, DataError, GRPOPlatformError
+from grpo.pipeline.plans import build_plan, plan_spec
 
 BASE = load_config(None, [])
 

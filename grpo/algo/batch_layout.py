@@ -1,9 +1,10 @@
 """The batch layout: how one generation round's completions are laid out over ranks, micro-steps and prompts.
 
 Derived once, here, the way ``trl.GRPOConfig`` derives it, and read by everything that needs the numbers: the
-config's validation and ``ExperimentConfig.generation_batch_size``, the sampler plan (:func:`grpo.algo.plan.plan_spec`),
-the trainer's sampler (:attr:`grpo.training.trainer.GRPOTrainer.batch_layout`) and the plan's cache key
-(:func:`grpo.pipeline.cache_dirs.plan_dir_for`).
+config's validation and ``ExperimentConfig.generation_batch_size``, the sampler plan (a
+:class:`grpo.algo.plan.PlanSpec` holds one), the trainer's sampler (:attr:`grpo.training.trainer.GRPOTrainer.batch_layout`)
+and the plan's cache key (:func:`grpo.pipeline.cache_dirs.plan_dir_for`). It takes plain numbers: the config builds
+its layout (:attr:`grpo.config.ExperimentConfig.batch_layout`), the trainer from TRL's resolved arguments.
 
 * ``steps_per_generation`` is ``grpo.steps_per_generation``, else ``generation_batch_size // (per_device_train_batch_size
   * world_size)`` when that is set, else ``gradient_accumulation_steps`` (TRL's default);
@@ -19,17 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from grpo.config import ExperimentConfig
-
-__all__ = ["BatchLayout", "batch_layout"]
+__all__ = ["BatchLayout"]
 
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """The batch numbers of one generation round; build it with :meth:`derive` or :func:`batch_layout`."""
+    """The batch numbers of one generation round; build it with :meth:`derive`."""
 
     world_size: int
     sequence_parallel_degree: int
@@ -118,17 +116,3 @@ class BatchLayout:
         del payload["steps_per_generation_from"]
         return payload
 
-
-def batch_layout(cfg: ExperimentConfig) -> BatchLayout:
-    """The layout of ``cfg`` (its ``grpo`` batch fields and ``sampling`` world)."""
-    g, s = cfg.grpo, cfg.sampling
-    return BatchLayout.derive(
-        world_size=s.world_size,
-        sequence_parallel_degree=s.sequence_parallel_degree,
-        per_device_train_batch_size=g.per_device_train_batch_size,
-        gradient_accumulation_steps=g.gradient_accumulation_steps,
-        num_generations=g.num_generations,
-        num_iterations=g.num_iterations,
-        generation_batch_size=g.generation_batch_size,
-        steps_per_generation=g.steps_per_generation,
-    )

@@ -13,6 +13,9 @@ divide, a dataset smaller than one round with ``drop_last``). It is the schedule
 * epoch ``e`` orders prompts with ``torch.randperm(N, seed + e)`` and cuts the order into chunks of ``B *
   num_sp_groups`` prompts, one chunk per round; SP group g takes slots ``[g*B, (g+1)*B)`` of each chunk.
 
+The spec is plain numbers (:class:`PlanSpec`: a :class:`grpo.algo.batch_layout.BatchLayout` and the run's settings);
+:mod:`grpo.pipeline.plans` builds it from a config.
+
 ``plan.parquet`` has one row per (round, SP group, slot) — per prompt, not per completion — sorted by that key, in
 row groups of 2**18 rows (zstd), with the plan's numbers in the schema metadata so a reader needs nothing else.
 ``plan.json`` is the summary: sizes, coverage, expected prompt-token load per rank and its predicted imbalance.
@@ -36,8 +39,8 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Sampler
 
+from grpo.algo.batch_layout import BatchLayout
 from grpo.algo.sampling import sp_group_of
-from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError, DataError, GRPOPlatformError
 
 __all__ = [
@@ -47,12 +50,10 @@ __all__ = [
     "PlanSampler",
     "PlanSpec",
     "PlanSummary",
-    "build_plan",
-    "default_plan_dir",
-    "plan_spec",
     "read_plan_indices",
     "read_plan_meta",
     "summary_table",
+    "write_plan",
 ]
 
 PLAN_FILE, SUMMARY_FILE = "plan.parquet", "plan.json"
@@ -87,19 +88,21 @@ class PlanExistsError(GRPOPlatformError, FileExistsError):
     """A plan is already written there; plans are inputs to runs, so replacing one must be explicit."""
 
 
+# The layout's numbers a plan file records in its "spec" (what read_plan_indices and PlanSampler read), in the
+# file's order.
+_RECORDED_LAYOUT = ("world_size", "sequence_parallel_degree", "num_sp_groups", "num_generations",
+                    "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+                    "num_iterations")
+
+
 @dataclass(frozen=True)
 class PlanSpec:
-    """The dataset-independent numbers of a schedule, derived from the config the way TRL derives them."""
+    """The dataset-independent numbers of a schedule: the batch layout (TRL's derivation, :mod:`grpo.algo.batch_layout`)
+    plus the run's length and the sampler's order and balancing settings; build it with :meth:`from_layout`.
 
-    world_size: int
-    sequence_parallel_degree: int
-    num_sp_groups: int
-    num_generations: int
-    per_device_train_batch_size: int
-    gradient_accumulation_steps: int
-    steps_per_generation: int
-    num_iterations: int
-    prompts_per_sp_group: int  # B: prompts each SP group generates for in one round
+    The layout's numbers read as the spec's own (``spec.world_size``, ``spec.steps_per_generation``)."""
+
+    layout: BatchLayout
     max_steps: int
     seed: int
     shuffle: bool
@@ -107,50 +110,111 @@ class PlanSpec:
     seqlen_balancing: bool
     balance_quadratic_coef: float | None
 
+    def __getattr__(self, name: str) -> Any:
+        # Called only for names the spec itself lacks: those of its layout (not "layout" itself, read before it is set
+        # while copying or unpickling).
+        if name.startswith("__") or name == "layout":
+            raise AttributeError(name)
+        try:
+            return getattr(self.layout, name)
+        except AttributeError:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
+
+    @classmethod
+    def from_layout(cls, layout: BatchLayout, *, max_steps: int, seed: int, shuffle: bool, drop_last: bool,
+                    seqlen_balancing: bool, balance_quadratic_coef: float | None) -> PlanSpec:
+        """The spec of ``layout`` and the run's settings; a ConfigError naming the config fields when the layout cannot
+        work with the SP sampler."""
+        if max_steps < 1:
+            raise ConfigError(f"grpo.max_steps must be >= 1 optimizer steps, got {max_steps}")
+        world, degree = layout.world_size, layout.sequence_parallel_degree
+        if world < 1 or degree < 1 or world % degree:
+            raise ConfigError(
+                f"sampling.sequence_parallel_degree: sampling.world_size ({world}) must be a positive multiple of it "
+                f"({degree}); valid degrees: {_divisors(max(world, 1))}"
+            )
+        gen = layout.num_generations
+        if world > _INT16_MAX or gen > _INT16_MAX or layout.num_iterations > _INT16_MAX:
+            raise ConfigError(
+                f"sampling.world_size, grpo.num_generations and grpo.num_iterations must be <= {_INT16_MAX} "
+                f"(got {world}, {gen}, {layout.num_iterations})"
+            )
+        if layout.steps_per_generation_from == "grpo.generation_batch_size" and (
+            layout.generation_batch_size % layout.global_batch_size
+        ):
+            raise ConfigError(
+                f"grpo.generation_batch_size ({layout.generation_batch_size}) must be a multiple of "
+                f"grpo.per_device_train_batch_size x sampling.world_size = {layout.global_batch_size}"
+            )
+        pdbs, spg = layout.per_device_train_batch_size, layout.steps_per_generation
+        source = layout.steps_per_generation_from
+        per_rank = layout.completions_per_rank
+        if not layout.whole_groups_per_rank:
+            step = gen // math.gcd(gen, spg)
+            raise ConfigError(
+                f"grpo.num_generations: grpo.per_device_train_batch_size x steps_per_generation = {pdbs} x {spg} = "
+                f"{per_rank} completions per rank and round (steps_per_generation from {source}) must be a multiple of "
+                f"grpo.num_generations ({gen}) so every SP group holds whole prompts; valid num_generations: "
+                f"{_divisors(per_rank, 2)}, or per_device_train_batch_size a multiple of {step} "
+                f"(e.g. {[step * k for k in range(1, 5)]})"
+            )
+        accumulation = layout.gradient_accumulation_steps
+        if max_steps * accumulation > _INT32_MAX:
+            raise ConfigError(
+                f"grpo.max_steps x grpo.gradient_accumulation_steps = {max_steps * accumulation} "
+                f"micro-steps is more than a plan holds (<= {_INT32_MAX})"
+            )
+        return cls(layout=layout, max_steps=max_steps, seed=seed, shuffle=shuffle, drop_last=drop_last,
+                   seqlen_balancing=seqlen_balancing, balance_quadratic_coef=balance_quadratic_coef)
+
     @property
-    def prompts_per_round(self) -> int:
-        return self.prompts_per_sp_group * self.num_sp_groups
+    def prompts_per_sp_group(self) -> int:
+        """B: prompts each SP group generates for in one round (its ranks share them)."""
+        return self.layout.prompts_per_rank
 
     @property
     def repeat_count(self) -> int:
         """How often the sampler yields a round's slice: TRL reuses a round for every micro-step it serves."""
-        return self.num_iterations * self.steps_per_generation
-
-    @property
-    def micro_steps_per_round(self) -> int:
-        return self.steps_per_generation * self.num_iterations
+        return self.layout.micro_steps_per_round
 
     @property
     def total_micro_steps(self) -> int:
-        return self.max_steps * self.gradient_accumulation_steps
+        return self.max_steps * self.layout.gradient_accumulation_steps
 
     @property
     def generation_rounds(self) -> int:
-        return -(-self.total_micro_steps // self.micro_steps_per_round)
+        return -(-self.total_micro_steps // self.layout.micro_steps_per_round)
 
     def rounds_per_epoch(self, dataset_size: int) -> int:
         """Chunks of one epoch's order, as the sampler cuts them; raises when ``drop_last`` would leave none."""
         if dataset_size < 1:
             raise DataError("data: the training split is empty (0 prompts); a plan needs at least one prompt")
-        chunk = self.prompts_per_round
+        layout = self.layout
+        chunk = layout.prompts_per_round
         if not self.drop_last:
             return -(-dataset_size // chunk)
         if dataset_size < chunk:
-            fits = [b * self.num_generations for b in range(1, dataset_size // self.num_sp_groups + 1)]
-            fits = [p for p in fits if p % self.steps_per_generation == 0][-1:]
-            hint = f" or grpo.per_device_train_batch_size <= {fits[0] // self.steps_per_generation}" if fits else ""
+            fits = [b * layout.num_generations for b in range(1, dataset_size // layout.num_sp_groups + 1)]
+            fits = [p for p in fits if p % layout.steps_per_generation == 0][-1:]
+            hint = f" or grpo.per_device_train_batch_size <= {fits[0] // layout.steps_per_generation}" if fits else ""
             raise ConfigError(
                 f"sampling.drop_last: the training split has {dataset_size} prompts, fewer than one generation round "
-                f"of {chunk} prompts ({self.prompts_per_sp_group} per SP group x {self.num_sp_groups} SP groups), so "
+                f"of {chunk} prompts ({self.prompts_per_sp_group} per SP group x {layout.num_sp_groups} SP groups), so "
                 f"drop_last=true would plan nothing; set sampling.drop_last=false, use more prompts{hint}"
             )
         return dataset_size // chunk
 
+    def to_dict(self) -> dict[str, Any]:
+        """The spec as a plan file records it (``plan.parquet``'s metadata): flat, the layout's numbers first."""
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "layout"}
+        layout = {name: getattr(self.layout, name) for name in _RECORDED_LAYOUT}
+        return layout | {"prompts_per_sp_group": self.prompts_per_sp_group} | settings
+
     def echo(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {
-            "prompts_per_round": self.prompts_per_round,
+        return self.to_dict() | {
+            "prompts_per_round": self.layout.prompts_per_round,
             "repeat_count": self.repeat_count,
-            "micro_steps_per_round": self.micro_steps_per_round,
+            "micro_steps_per_round": self.layout.micro_steps_per_round,
         }
 
 
@@ -181,66 +245,6 @@ class PlanSummary:
 
 def _divisors(n: int, low: int = 1) -> list[int]:
     return [d for d in range(low, n + 1) if n % d == 0]
-
-
-def plan_spec(cfg: ExperimentConfig) -> PlanSpec:
-    """Batch arithmetic of ``cfg``; a ConfigError naming the fields when it cannot work with the SP sampler."""
-    g, s = cfg.grpo, cfg.sampling
-    if g.max_steps < 1:
-        raise ConfigError(f"grpo.max_steps must be >= 1 optimizer steps, got {g.max_steps}")
-    world, degree = s.world_size, s.sequence_parallel_degree
-    if world < 1 or degree < 1 or world % degree:
-        raise ConfigError(
-            f"sampling.sequence_parallel_degree: sampling.world_size ({world}) must be a positive multiple of it "
-            f"({degree}); valid degrees: {_divisors(max(world, 1))}"
-        )
-    if world > _INT16_MAX or g.num_generations > _INT16_MAX or g.num_iterations > _INT16_MAX:
-        raise ConfigError(
-            f"sampling.world_size, grpo.num_generations and grpo.num_iterations must be <= {_INT16_MAX} "
-            f"(got {world}, {g.num_generations}, {g.num_iterations})"
-        )
-    layout = cfg.batch_layout
-    pdbs, gen = layout.per_device_train_batch_size, layout.num_generations
-    if layout.steps_per_generation_from == "grpo.generation_batch_size" and (
-        layout.generation_batch_size % layout.global_batch_size
-    ):
-        raise ConfigError(
-            f"grpo.generation_batch_size ({layout.generation_batch_size}) must be a multiple of "
-            f"grpo.per_device_train_batch_size x sampling.world_size = {layout.global_batch_size}"
-        )
-    spg, source = layout.steps_per_generation, layout.steps_per_generation_from
-    per_rank = layout.completions_per_rank
-    if not layout.whole_groups_per_rank:
-        step = gen // math.gcd(gen, spg)
-        raise ConfigError(
-            f"grpo.num_generations: grpo.per_device_train_batch_size x steps_per_generation = {pdbs} x {spg} = "
-            f"{per_rank} completions per rank and round (steps_per_generation from {source}) must be a multiple of "
-            f"grpo.num_generations ({gen}) so every SP group holds whole prompts; valid num_generations: "
-            f"{_divisors(per_rank, 2)}, or per_device_train_batch_size a multiple of {step} "
-            f"(e.g. {[step * k for k in range(1, 5)]})"
-        )
-    if g.max_steps * g.gradient_accumulation_steps > _INT32_MAX:
-        raise ConfigError(
-            f"grpo.max_steps x grpo.gradient_accumulation_steps = {g.max_steps * g.gradient_accumulation_steps} "
-            f"micro-steps is more than a plan holds (<= {_INT32_MAX})"
-        )
-    return PlanSpec(
-        world_size=layout.world_size,
-        sequence_parallel_degree=layout.sequence_parallel_degree,
-        num_sp_groups=layout.num_sp_groups,
-        num_generations=gen,
-        per_device_train_batch_size=pdbs,
-        gradient_accumulation_steps=layout.gradient_accumulation_steps,
-        steps_per_generation=spg,
-        num_iterations=layout.num_iterations,
-        prompts_per_sp_group=layout.prompts_per_rank,
-        max_steps=g.max_steps,
-        seed=g.seed,
-        shuffle=s.shuffle,
-        drop_last=s.drop_last,
-        seqlen_balancing=s.seqlen_balancing,
-        balance_quadratic_coef=s.balance_quadratic_coef,
-    )
 
 
 def _as_prompt_lengths(values: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -274,18 +278,13 @@ def _max_over_mean(loads: np.ndarray) -> np.ndarray:
     return np.where(mean > 0, loads.max(axis=-1) / np.where(mean > 0, mean, 1.0), 1.0)
 
 
-def default_plan_dir(cfg: ExperimentConfig) -> Path:
-    return Path(cfg.output_dir) / "plans" / cfg.name
-
-
-def build_plan(
-    cfg: ExperimentConfig, prompt_lengths: Sequence[int] | np.ndarray, out_dir: Path, overwrite: bool = False
+def write_plan(
+    spec: PlanSpec, prompt_lengths: Sequence[int] | np.ndarray, out_dir: Path, overwrite: bool = False
 ) -> PlanSummary:
-    """Validate ``cfg`` against the dataset, then stream ``out_dir/plan.parquet`` and write ``out_dir/plan.json``.
+    """Validate ``spec`` against the dataset, then stream ``out_dir/plan.parquet`` and write ``out_dir/plan.json``.
 
     Everything is checked before a byte is written; files are written under a temporary name and renamed, so an
     interrupted plan never leaves a half-written file that looks complete."""
-    spec = plan_spec(cfg)
     lengths = _as_prompt_lengths(prompt_lengths)
     n = int(lengths.size)
     rpe = spec.rounds_per_epoch(n)
@@ -296,7 +295,7 @@ def build_plan(
         raise PlanExistsError(f"plan exists: {existing}; pass overwrite=True (--overwrite) to replace it")
 
     rounds = spec.generation_rounds
-    meta = {"spec": dataclasses.asdict(spec), "generation_rounds": rounds, "rounds_per_epoch": rpe, "dataset_size": n}
+    meta = {"spec": spec.to_dict(), "generation_rounds": rounds, "rounds_per_epoch": rpe, "dataset_size": n}
     schema = SCHEMA.with_metadata({_META_KEY: json.dumps(meta).encode()})
     stats = _LoadStats(spec, lengths)
     seen = np.zeros(n, dtype=bool)
@@ -315,7 +314,7 @@ def build_plan(
         raise
     os.replace(tmp, plan_path)
 
-    per_round = spec.prompts_per_round
+    per_round = spec.layout.prompts_per_round
     summary = PlanSummary(
         plan_path=str(plan_path),
         rows=rounds * per_round,
@@ -329,7 +328,7 @@ def build_plan(
         epochs=-(-rounds // rpe),
         dataset_size=n,
         unique_prompts_used=int(seen.sum()),
-        completions_total=rounds * per_round * spec.num_generations,
+        completions_total=rounds * per_round * spec.layout.num_generations,
         expected_prompt_tokens_per_rank=stats.tokens_per_rank(),
         predicted_imbalance=stats.imbalance(),
         config=spec.echo() | {"dataset_size": n},
@@ -342,7 +341,7 @@ def build_plan(
 
 def _blocks(spec: PlanSpec, n: int, rounds_per_epoch: int) -> Iterator[tuple[int, int, int, np.ndarray]]:
     """(epoch, first round, end round, prompt indices in file order) for each row group; none crosses an epoch."""
-    rounds, per_round = spec.generation_rounds, spec.prompts_per_round
+    rounds, per_round = spec.generation_rounds, spec.layout.prompts_per_round
     block_rounds = max(1, _ROWS_PER_ROW_GROUP // per_round)
     for epoch in range(-(-rounds // rounds_per_epoch)):
         order = _epoch_order(n, spec, epoch)
@@ -356,24 +355,24 @@ def _blocks(spec: PlanSpec, n: int, rounds_per_epoch: int) -> Iterator[tuple[int
 
 def _block_table(spec: PlanSpec, epoch: int, r0: int, r1: int, index: np.ndarray, tokens: np.ndarray) -> pa.Table:
     """Rows of rounds [r0, r1) of one epoch, sorted by (round, sp_group, slot); ``index`` holds their prompts."""
-    per_round, b, rows = spec.prompts_per_round, spec.prompts_per_sp_group, index.size
-    degree = spec.sequence_parallel_degree
+    per_round, b, rows = spec.layout.prompts_per_round, spec.prompts_per_sp_group, index.size
+    degree = spec.layout.sequence_parallel_degree
     rnd = np.repeat(np.arange(r0, r1, dtype=np.int64), per_round)
-    micro = rnd * spec.micro_steps_per_round
-    group = np.tile(np.repeat(np.arange(spec.num_sp_groups, dtype=np.int16), b), r1 - r0)
+    micro = rnd * spec.layout.micro_steps_per_round
+    group = np.tile(np.repeat(np.arange(spec.layout.num_sp_groups, dtype=np.int16), b), r1 - r0)
     return pa.Table.from_arrays(
         [
             pa.array(rnd.astype(np.int32)),
             pa.array(np.full(rows, epoch, dtype=np.int32)),
-            pa.array((micro // spec.gradient_accumulation_steps).astype(np.int32)),
+            pa.array((micro // spec.layout.gradient_accumulation_steps).astype(np.int32)),
             pa.array(micro),
             pa.array(group),
             pa.array(group * degree),
             pa.array(group * degree + (degree - 1)),
             pa.array(np.tile(np.arange(b, dtype=np.int32), rows // b)),
             pa.array(index),
-            pa.array(np.full(rows, spec.num_generations, dtype=np.int16)),
-            pa.array(np.full(rows, spec.num_iterations, dtype=np.int16)),
+            pa.array(np.full(rows, spec.layout.num_generations, dtype=np.int16)),
+            pa.array(np.full(rows, spec.layout.num_iterations, dtype=np.int16)),
             pa.array(tokens),
         ],
         schema=SCHEMA,
@@ -389,19 +388,19 @@ class _LoadStats:
     def __init__(self, spec: PlanSpec, lengths: np.ndarray) -> None:
         self.spec = spec
         x = lengths.astype(np.float64)
-        self.tokens = x * spec.num_generations  # every completion of a group reads the prompt
+        self.tokens = x * spec.layout.num_generations  # every completion of a group reads the prompt
         coef = spec.balance_quadratic_coef  # the balancer's workload: a*L + L^2 per sequence when set
-        self.workload = self.tokens if coef is None else spec.num_generations * (coef * x + x * x)
-        self.balance = spec.seqlen_balancing and spec.num_sp_groups > 1
+        self.workload = self.tokens if coef is None else spec.layout.num_generations * (coef * x + x * x)
+        self.balance = spec.seqlen_balancing and spec.layout.num_sp_groups > 1
         self.sampled = _sample_rounds(spec.generation_rounds) if self.balance else np.empty(0, np.int64)
-        self.group_tokens = np.zeros(spec.num_sp_groups)
+        self.group_tokens = np.zeros(spec.layout.num_sp_groups)
         self.ratio_sum, self.ratio_max = 0.0, 1.0
         self.sampled_plan: list[float] = []
         self.sampled_balanced: list[float] = []
 
     def add(self, r0: int, r1: int, index: np.ndarray) -> None:
-        s, per_round = self.spec, self.spec.prompts_per_round
-        loads = self.tokens[index].reshape(r1 - r0, s.num_sp_groups, s.prompts_per_sp_group).sum(axis=2)
+        s, per_round = self.spec, self.spec.layout.prompts_per_round
+        loads = self.tokens[index].reshape(r1 - r0, s.layout.num_sp_groups, s.prompts_per_sp_group).sum(axis=2)
         self.group_tokens += loads.sum(axis=0)
         ratios = _max_over_mean(loads)
         self.ratio_sum += float(ratios.sum())
@@ -409,10 +408,10 @@ class _LoadStats:
         for r in self.sampled[(self.sampled >= r0) & (self.sampled < r1)] - r0:
             self.sampled_plan.append(float(ratios[r]))
             round_workload = self.workload[index[r * per_round : (r + 1) * per_round]]
-            self.sampled_balanced.append(_balanced_ratio(round_workload, s.num_sp_groups))
+            self.sampled_balanced.append(_balanced_ratio(round_workload, s.layout.num_sp_groups))
 
     def tokens_per_rank(self) -> dict[str, float]:
-        rank = self.group_tokens / self.spec.sequence_parallel_degree  # an SP group's ranks split its sequences
+        rank = self.group_tokens / self.spec.layout.sequence_parallel_degree  # an SP group's ranks split its sequences
         return {
             "per_round_mean": float(rank.mean() / self.spec.generation_rounds),
             "total_mean": float(rank.mean()),

@@ -313,7 +313,8 @@ def plan(
     checking that the config fits the dataset."""
     try:
         cfg = _load(config, set_, reward_module)
-        from grpo.algo.plan import default_plan_dir, summary_table
+        from grpo.algo.plan import summary_table
+        from grpo.pipeline.plans import default_plan_dir
         from grpo.pipeline.stages import cached_prep, plan_stage, plan_tokenizer, prep_summary
 
         # The rows a run trains on: the prep stage's cached output (validated, quarantine applied), as `grpo run`.

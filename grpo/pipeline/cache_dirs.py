@@ -23,7 +23,8 @@ from grpo.training.policy import cache_root
 
 # The modules whose source is part of each stage's key (imported lazily: grpo.pipeline.stages imports this module).
 PREP_CODE = ("grpo.pipeline.prep", "grpo.tasks", "grpo.pipeline.stages")
-PLAN_CODE = ("grpo.algo.plan", "grpo.algo.batch_layout", "grpo.pipeline.stages", "grpo.training.prompts")
+PLAN_CODE = ("grpo.algo.plan", "grpo.algo.batch_layout", "grpo.pipeline.plans", "grpo.pipeline.stages",
+             "grpo.training.prompts")
 
 
 def _code_hash(modules: tuple[str, ...]) -> str:

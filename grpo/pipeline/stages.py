@@ -16,9 +16,10 @@ from typing import Any
 
 from grpo import distributed
 
-from grpo.algo.plan import build_plan, prompt_token_lengths
+from grpo.algo.plan import prompt_token_lengths
 from grpo.config import ExperimentConfig
 from grpo.pipeline.cache_dirs import locked, plan_dir_for, prep_dir_for
+from grpo.pipeline.plans import build_plan
 from grpo.pipeline.prep import load_prepared, prepare_dataset
 from grpo.rewards import get_reward
 from grpo.runs import RunDir

@@ -1,0 +1,133 @@
+"""What the config checks against the layers above it: ``trl.GRPOConfig``'s fields and help text, transformers'
+logger integrations (``grpo.report_to``) and the reward registry (:mod:`grpo.rewards`).
+
+This module is the config's one way up: no other :mod:`grpo.config` module imports TRL, transformers or
+:mod:`grpo.rewards` (``tests/test_layers.py``). It imports them inside the functions that read them, so importing the
+config (every ``grpo`` command, every test) costs no TRL import (seconds) and a config that sets neither
+``grpo.extra`` nor ``grpo.report_to`` never imports TRL at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Collection, Iterable
+from typing import Any
+
+__all__ = [
+    "TRL_FIELDS_SET_BY_PLATFORM",
+    "TRL_SECRET_FIELDS",
+    "check_extra_fields",
+    "check_report_to",
+    "check_reward_names",
+    "reward_enum",
+    "trl_help",
+]
+
+# trl.GRPOConfig fields that hold secrets, with the environment variable the library reads instead. Refused in
+# grpo.extra: a config is written to config.yaml, shown as Prefect flow-run parameters and logged to MLflow.
+TRL_SECRET_FIELDS = {"hub_token": "HF_TOKEN"}
+
+# trl.GRPOConfig fields the platform sets itself (grpo.training.train.grpo_args), with where their value comes from. grpo.extra
+# may not set them: kwargs from extra are applied last and would silently win over the platform's field.
+TRL_FIELDS_SET_BY_PLATFORM: dict[str, str] = {
+    "output_dir": "the run directory (output_dir + run name)",
+    "use_cpu": "the machine (CPU when no CUDA device is present)",
+    "report_to": "grpo.report_to",
+    "shuffle_dataset": "sampling.shuffle",
+    "vllm_importance_sampling_correction": "async.vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode": "async.vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max": "async.vllm_importance_sampling_cap",
+    "off_policy_mask_threshold": "async.off_policy_mask_threshold",
+    "use_bias_correction_kl": "async.use_bias_correction_kl",
+}
+
+
+# ---------------------------------------------------------------- checks (raise ValueError naming the field)
+
+
+def check_extra_fields(extra: Iterable[str], regular_fields: Collection[str]) -> None:
+    """``grpo.extra`` holds only ``trl.GRPOConfig`` fields that no regular field or platform setting covers, and no
+    secret; ``regular_fields``: the ``grpo`` section's own field names."""
+    from trl import GRPOConfig
+
+    trl_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    for key in extra:
+        if key in TRL_SECRET_FIELDS:
+            raise ValueError(
+                f"extra: {key!r} is a secret, and a config is stored in plain text (the run directory's "
+                f"config.yaml, the Prefect flow-run parameters); set the {TRL_SECRET_FIELDS[key]} environment "
+                "variable instead (huggingface_hub reads it)"
+            )
+        if key in TRL_FIELDS_SET_BY_PLATFORM:
+            raise ValueError(
+                f"extra: {key!r} is set from {TRL_FIELDS_SET_BY_PLATFORM[key]}; set that instead (a value here "
+                "would silently override it)"
+            )
+        if key in regular_fields:
+            raise ValueError(f"extra: {key!r} is a regular field here; set grpo.{key} instead")
+        if key not in trl_fields:
+            close = difflib.get_close_matches(key, sorted(trl_fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"extra: {key!r} is not a trl.GRPOConfig field{hint}")
+
+
+def check_report_to(report_to: Iterable[str]) -> None:
+    """``grpo.report_to`` names installed transformers loggers other than MLflow (the platform's own tracking)."""
+    from transformers.integrations.integration_utils import (
+        INTEGRATION_TO_CALLBACK,
+        get_available_reporting_integrations,
+    )
+
+    for name in report_to:
+        if name in ("mlflow", "dagshub", "all"):
+            raise ValueError(
+                f"report_to: {name!r} would make TRL log a second MLflow run beside the platform's: MLflow "
+                "tracking is tracking.backend: mlflow; list the other loggers by name (e.g. ['tensorboard'])"
+            )
+        if name == "none":
+            raise ValueError("report_to: use an empty list [] for no extra loggers, not 'none'")
+        if name not in INTEGRATION_TO_CALLBACK:
+            valid = sorted(set(INTEGRATION_TO_CALLBACK) - {"mlflow", "dagshub"})
+            raise ValueError(f"report_to: unknown logger {name!r}; valid: {', '.join(valid)}")
+        if name not in get_available_reporting_integrations():
+            raise ValueError(f"report_to: {name!r} is not installed in this environment (pip install {name})")
+
+
+def check_reward_names(fields: dict[str, list[str]]) -> None:
+    """Every reward named by a config field (dotted key -> names) is registered."""
+    from grpo.rewards import available_rewards
+
+    known = available_rewards()
+    for field, names in fields.items():
+        for name in names:
+            if name not in known:
+                raise ValueError(f"{field}: unknown reward {name!r}; registered rewards: {', '.join(known)}")
+
+
+# ---------------------------------------------------------------- Prefect form helpers (pydantic json_schema_extra)
+
+
+def trl_help(schema: dict[str, Any]) -> None:
+    """Describe fields from ``trl.GRPOConfig``'s own help text where we have none (for the Prefect form)."""
+    from trl import GRPOConfig
+
+    help_text = {f.name: f.metadata.get("help") for f in dataclasses.fields(GRPOConfig)}
+    for name, prop in schema.get("properties", {}).items():
+        text = " ".join((help_text.get(name) or "").split())
+        if text and "description" not in prop:
+            sentences = text.split(". ")
+            short = sentences[0]
+            for more in sentences[1:]:
+                if len(short) + len(more) > 220:
+                    break
+                short += ". " + more
+            prop["description"] = short.rstrip(".") + " (TRL)"
+
+
+def reward_enum(schema: dict[str, Any]) -> None:
+    """Registered reward names as a closed choice (built-ins, entry points, ``GRPO_REWARD_MODULES``)."""
+    from grpo.rewards import available_rewards
+
+    target = schema.get("items", schema)
+    target["enum"] = sorted(available_rewards())
