@@ -56,6 +56,14 @@ def _chunked_backward(r: dict) -> None:
     assert r["peak_ratio_chunked_over_unchunked"] is None or _finite(r["peak_ratio_chunked_over_unchunked"], 0.0)
 
 
+def _env_concurrency(r: dict) -> None:
+    assert r["episodes_identical"] is True  # concurrent and serial steps: the same episodes
+    assert r["tool_calls"] == r["episodes"] * r["turns"] == 16, r  # smoke: 8 episodes x 2 tool turns
+    assert _finite(r["ratio_concurrent_over_turns_x_tool_plus_generation"], 1e-6)
+    assert _finite(r["speedup_serial_over_concurrent"], 1e-6)
+    assert _finite(r["concurrent_generate_s"], 1e-6) and _finite(r["serial_round_s"], 1e-6)
+
+
 def _plan(r: dict) -> None:
     assert not {"covers_an_epoch", "rows"} & set(r["targets_failed"]), r["targets_failed"]
     assert r["unique_prompts_used"] == r["config"]["prompts"]
@@ -114,6 +122,7 @@ CHECKS: dict[str, Callable[[dict], None]] = {
     "async_overlap": _async_overlap,
     "balance": _balance,
     "chunked_backward": _chunked_backward,
+    "env_concurrency": _env_concurrency,
     "plan": _plan,
     "reward_pool": _reward_pool,
     "tracking_overhead": _tracking_overhead,

@@ -5,7 +5,9 @@
 - ``grpo.algo`` holds the algorithms on numpy/torch only: no TRL, transformers, accelerate, peft, datasets, MLflow
   or Prefect, and no other ``grpo`` module than itself and ``grpo.errors``: not the config either (not even for type
   hints), so the config can build its batch layout from ``grpo.algo`` without a cycle; algo takes plain numbers.
-- ``grpo.rewards`` (registry, worker pool, streaming) imports no training stack and no ``grpo`` layer above it.
+- ``grpo.rewards`` (registry, worker pool, streaming) imports no training stack and no ``grpo`` layer above it;
+  ``grpo.environments`` (environments, tools, the episode runner) neither, except transformers' tool-schema helper
+  (``transformers.utils``). Both register through the core ``grpo.registry``.
 - ``grpo.training`` (the TRL extension, policy, evaluation) never imports the pipeline, the app, MLflow or Prefect;
   ``grpo.pipeline`` (recipe, stages, data, tracking) never imports the app or Prefect.
 - ``grpo.config`` imports below it only: ``grpo.errors``, the batch layout (``grpo.algo.batch_layout``) and the
@@ -131,10 +133,23 @@ def test_importing_the_config_imports_nothing_above_it():
 def test_rewards_import_no_training_stack_and_no_higher_layer():
     def allowed(mod: str, imp: str) -> bool:
         if top(imp) == "grpo":
-            return imp == "grpo" or any(under(imp, p) for p in ("grpo.rewards", "grpo.errors"))
+            return imp == "grpo" or any(under(imp, p) for p in ("grpo.rewards", "grpo.errors", "grpo.registry"))
         return top(imp) not in TRAINING_STACK | {"mlflow", "prefect", "torch"}
 
     assert violations(modules("grpo/rewards"), allowed) == []
+
+
+def test_environments_import_no_training_stack_but_the_tool_schema_helper():
+    def allowed(mod: str, imp: str) -> bool:
+        if top(imp) == "grpo":
+            return imp == "grpo" or any(under(imp, p) for p in ("grpo.environments", "grpo.errors", "grpo.registry"))
+        if under(imp, "transformers.utils"):
+            return True  # get_json_schema: a tool's schema from its signature and docstring, as TRL builds it
+        return top(imp) not in TRAINING_STACK | {"mlflow", "prefect", "torch"}
+
+    mods = modules("grpo/environments")
+    assert {"grpo.environments", "grpo.environments.episodes"} <= set(mods)
+    assert violations(mods, allowed) == []
 
 
 def test_training_never_imports_the_pipeline_or_the_app():
@@ -164,6 +179,8 @@ def test_the_training_stack_stays_in_the_training_layer():
             return True
         if mod in {"grpo.config.trl_and_rewards", "grpo.distributed"}:
             return top(imp) in {"trl", "transformers", "accelerate"}
+        if under(mod, "grpo.environments"):
+            return under(imp, "transformers.utils")
         return top(imp) == "transformers" and mod in callbacks
 
     assert violations(modules("grpo", "flows", "dashboards"), allowed) == []

@@ -47,6 +47,10 @@ SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY
 RewardModuleOpt = Annotated[
     Optional[list[Path]], typer.Option("--reward-module", metavar="FILE", help="Python file registering reward functions (repeatable).")
 ]
+EnvModuleOpt = Annotated[
+    Optional[list[Path]],
+    typer.Option("--env-module", metavar="FILE", help="Python file registering environments and tools (repeatable)."),
+]
 
 
 def _fail(message: str) -> None:
@@ -342,6 +346,30 @@ def rewards(reward_module: RewardModuleOpt = None) -> None:
     for name in available_rewards():
         doc = (get_reward(name).__doc__ or "").strip().splitlines()
         typer.echo(f"{name:20s} {doc[0] if doc else ''}")
+
+
+@app.command()
+def environments(env_module: EnvModuleOpt = None) -> None:
+    """List registered environments and tools."""
+    from grpo.environments import (
+        available_environments,
+        available_tools,
+        get_environment,
+        get_tool,
+        load_environment_module,
+    )
+
+    try:
+        for module in env_module or []:
+            load_environment_module(module)
+        sections = {"environments": (available_environments(), get_environment), "tools": (available_tools(), get_tool)}
+    except GRPOPlatformError as err:
+        _fail(str(err))
+    for title, (names, get) in sections.items():
+        typer.echo(f"{title}:")
+        for name in names:
+            doc = (get(name).__doc__ or "").strip().splitlines()
+            typer.echo(f"  {name:20s} {doc[0] if doc else ''}")
 
 
 @app.command()

@@ -1,0 +1,92 @@
+"""``python -m benchmarks env_concurrency``: a round of multi-turn episodes with a slow tool, environment steps
+concurrent (the episode runner's pool) versus one at a time.
+
+A round of BENCH_EPISODES (64) episodes, each calling a tool that sleeps BENCH_TOOL_S (0.2 s) in each of its
+BENCH_TURNS (3) tool turns, then answering. Generation is the tiny preset's policy shape sampling BENCH_GEN_TOKENS (4)
+tokens for every live episode each turn, one batched call per turn (``sample_round``, the async generator's); the
+turns' text is scripted (``[k]`` then ``v<eos>``) so that every episode makes every call whatever an untrained model
+samples. Target (#30): the concurrent round takes <= 1.5 x (turns x tool seconds + generation seconds); serially it
+takes episodes x turns x tool seconds more (about 38 s at the defaults). Both runs must give identical episodes.
+
+``--smoke``: 8 episodes, 2 tool turns, a 0.02 s tool.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from benchmarks._sizes import size
+
+
+def main(smoke: bool = False) -> dict:
+    episodes = size("BENCH_EPISODES", 64, 8, smoke)
+    turns = size("BENCH_TURNS", 3, 2, smoke)
+    tool_s = size("BENCH_TOOL_S", 0.2, 0.02, smoke)
+    gen_tokens = size("BENCH_GEN_TOKENS", 4, 2, smoke)
+    if min(episodes, turns, gen_tokens) < 1 or tool_s < 0:
+        raise ValueError("BENCH_EPISODES, BENCH_TURNS and BENCH_GEN_TOKENS must be >= 1, BENCH_TOOL_S >= 0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from grpo.environments import ToolEnvironment
+    from grpo.environments.episodes import run_episodes
+    from grpo.training.async_producer import sample_round
+    from grpo.training.tiny_model import build_char_tokenizer, build_tiny_qwen2
+
+    tok = build_char_tokenizer("0123456789+=[]|()kv:")
+    model = build_tiny_qwen2(tok, 128, 3, 4, 256, 256, seed=0).eval()
+    gen = {"eos_token_ids": [tok.eos_token_id], "pad_token_id": tok.pad_token_id, "max_new_tokens": gen_tokens,
+           "temperature": 1.0, "top_p": 1.0, "top_k": 0, "shared_prompt": False}
+    call = tok("[k]", add_special_tokens=False)["input_ids"]
+    k_id = call[1]
+    answer = tok("v", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+    def lookup(key: str) -> str:
+        """A slow tool: a remote call's latency.
+
+        Args:
+            key: what to look up
+        """
+        time.sleep(tool_s)
+        return "v"
+
+    def run(max_workers: int) -> tuple[float, float, list]:
+        generate_s = 0.0
+
+        def generate(seqs, max_new_tokens, stop_strings):
+            nonlocal generate_s
+            start = time.perf_counter()
+            sample_round(model, seqs, {**gen, "max_new_tokens": min(gen_tokens, max_new_tokens)})
+            generate_s += time.perf_counter() - start
+            out = []
+            for s in seqs:  # an episode calls the tool until its sequence holds ``turns`` calls ("k" is in none else)
+                ids = call if s.count(k_id) < turns else answer
+                out.append((ids, [0.0] * len(ids)))
+            return out
+
+        torch.manual_seed(0)
+        prompts = [tok(f"{i:02d}=", add_special_tokens=False)["input_ids"] for i in range(episodes)]
+        start = time.perf_counter()
+        result = run_episodes(prompts, [ToolEnvironment([lookup]) for _ in prompts], generate, tok,
+                              max_turns=turns + 1, max_completion_length=8 * (turns + 1), max_workers=max_workers,
+                              step_timeout=None)
+        return time.perf_counter() - start, generate_s, result
+
+    concurrent_s, concurrent_gen_s, concurrent = run(max_workers=episodes)
+    serial_s, serial_gen_s, serial = run(max_workers=1)
+    bound = turns * tool_s + concurrent_gen_s
+    return {
+        "episodes": episodes,
+        "turns": turns,
+        "tool_s": tool_s,
+        "tool_calls": sum(ep.tool_calls.get("lookup", 0) for ep in concurrent),
+        "episodes_identical": concurrent == serial,
+        "concurrent_round_s": concurrent_s,
+        "concurrent_generate_s": concurrent_gen_s,
+        "serial_round_s": serial_s,
+        "serial_generate_s": serial_gen_s,
+        "ratio_concurrent_over_turns_x_tool_plus_generation": concurrent_s / bound if bound > 0 else None,
+        "target_ratio": 1.5,
+        "speedup_serial_over_concurrent": serial_s / concurrent_s,
+    }

@@ -1,0 +1,361 @@
+"""THE episode runner: multi-turn rollouts of the text protocol, every live episode of a round together.
+
+Per turn, every live episode generates in one batched ``generate`` call (one call per distinct set of stop strings
+when environments differ), then their environment steps run concurrently on a bounded pool of threads, so a slow
+tool costs one latency per turn, not one per episode (verifiers runs ``env.rollout()`` for every repeated prompt
+concurrently against a model server in the same way).
+
+An episode's ``completion_ids`` are the model's and the environment's tokens in order, never re-tokenised: the ids
+``generate`` returned and the ids of each observation tokenised on its own, concatenated (TRL's tool loop does the
+same, trl#5144). ``env_mask`` marks them as TRL's ``rollout_func`` ``env_mask`` (its ``tool_mask``) does: 1 for a
+model token (in the loss), 0 for an environment token (attended to, no gradient, not counted as completion length);
+an environment token's sampling log-prob is 0.0, TRL's value for tool-result tokens.
+
+``max_completion_length`` covers model and environment tokens. An episode ends when
+
+* the model writes the end-of-sequence token (``eos``; the turn is still stepped, so the environment can score it);
+* the environment says done (``done``): its last observation and the end-of-sequence token are appended as
+  environment tokens when they fit, so TRL's "last token is EOS" check reads the episode as finished, not clipped;
+* the turn limit is reached with the environment not done (``max_turns``; the last observation is not appended);
+* the token budget runs out: a turn without a stop string or EOS, an observation that does not fit whole (dropped,
+  as TRL rolls back a tool result that would overflow), or no budget left for another turn (``max_tokens``);
+* the environment raises, returns something else than a step result, exceeds ``step_timeout`` or writes an
+  observation the tokenizer cannot encode (``error``: reward NaN, left out of the group statistics, and ``error``
+  says why). A tool that raises is not an environment error: :class:`~grpo.environments.base.ToolEnvironment`
+  answers with its error text, and the call is counted as a failure.
+
+The result depends only on the inputs: steps are collected by episode, whichever finishes first, and each turn's
+batch lists the live episodes in their order.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from grpo.environments.base import StepResult
+
+GenerateFn = Callable[[list[list[int]], int, tuple[str, ...]], Sequence[tuple[Sequence[int], Sequence[float] | None]]]
+"""``generate(sequences, max_new_tokens, stop_strings) -> [(new_token_ids, logprobs or None), ...]``, one per
+sequence, in order. It may stop a sequence at a stop string (included in its ids) or the end-of-sequence token, or
+return more tokens: the runner cuts each turn itself at its own budget, its first stop string and its first EOS."""
+
+ENV_LOGPROB = 0.0
+"""The sampling log-prob recorded for environment tokens (TRL's value for tool-result tokens; masked out)."""
+
+STOP_REASONS = ("eos", "done", "max_turns", "max_tokens", "error")
+
+
+@dataclass
+class Episode:
+    """One rollout. ``prompt_ids`` are the given prompt's ids plus those of ``reset``'s observation, if any.
+    ``tool_calls`` / ``tool_failures`` count calls of the environment's tools by name; a call naming no tool of the
+    environment counts in ``unknown_tool_calls`` only. ``reward`` is the sum of the steps' rewards (the environment's
+    ``default_reward`` when none gave one; NaN on an error). ``transcript`` is the completion as ``(source, text)``
+    segments, ``source`` ``model`` or ``env``. ``tool_seconds`` (wall clock per tool) is left out of comparisons."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)
+    env_mask: list[int] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: dict[str, int] = field(default_factory=dict)
+    tool_failures: dict[str, int] = field(default_factory=dict)
+    unknown_tool_calls: int = 0
+    stop_reason: str = ""
+    reward: float | None = None
+    error: str | None = None
+    transcript: list[tuple[str, str]] = field(default_factory=list)
+    tool_seconds: dict[str, float] = field(default_factory=dict, compare=False)
+
+    @property
+    def truncated(self) -> bool:
+        """Cut off by the turn or token budget."""
+        return self.stop_reason in ("max_turns", "max_tokens")
+
+    @property
+    def env_tokens(self) -> int:
+        return len(self.env_mask) - sum(self.env_mask)
+
+    def _append(self, ids: Sequence[int], logprobs: Sequence[float] | None, source: int) -> None:
+        self.completion_ids.extend(ids)
+        self.env_mask.extend([source] * len(ids))
+        if self.logprobs is not None:
+            if logprobs is None:
+                self.logprobs = None  # one turn without log-probs: the episode has none
+            else:
+                self.logprobs.extend(logprobs)
+
+    def _fail(self, error: str) -> None:
+        self.stop_reason, self.error, self.reward = "error", error, math.nan
+
+
+class _Call:
+    __slots__ = ("fn", "started", "finished", "abandoned", "value", "error")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn, self.started, self.finished, self.abandoned = fn, None, False, False
+        self.value: Any = None
+        self.error: str | None = None
+
+
+class StepPool:
+    """A bounded pool of daemon threads for environment calls, each with a timeout from the moment it starts.
+
+    A call past its timeout is abandoned: its result is reported as a timeout, its thread (which Python cannot
+    stop) is replaced so the pool keeps ``max_workers`` working threads, and being a daemon it never keeps the
+    process from exiting. Results are returned in the order of the calls.
+    """
+
+    def __init__(self, max_workers: int) -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        self.max_workers = max_workers
+        self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._workers = 0
+
+    def _spawn(self) -> None:
+        self._workers += 1
+        threading.Thread(target=self._work, name="grpo-env-step", daemon=True).start()
+
+    def _work(self) -> None:
+        while (call := self._queue.get()) is not None:
+            with self._cond:
+                call.started = time.monotonic()
+                self._cond.notify_all()
+            try:
+                value, error = call.fn(), None
+            except BaseException as err:  # noqa: BLE001 - the environment's failure, reported for its episode
+                value, error = None, f"{type(err).__name__}: {err}"
+            with self._cond:
+                if call.abandoned:
+                    return  # timed out: a replacement thread took this one's place
+                call.value, call.error, call.finished = value, error, True
+                self._cond.notify_all()
+
+    def run(self, fns: Sequence[Callable[[], Any]], timeout: float | None) -> list[_Call]:
+        """Run ``fns`` concurrently; each ``_Call`` has ``value`` or ``error`` (a timeout: ``timed out after N s``)."""
+        calls = [_Call(fn) for fn in fns]
+        with self._cond:
+            while self._workers < min(self.max_workers, len(calls)):
+                self._spawn()
+            for call in calls:
+                self._queue.put(call)
+            while True:
+                now, wait, pending = time.monotonic(), None, False
+                for call in calls:
+                    if call.finished or call.abandoned:
+                        continue
+                    if call.started is not None and timeout is not None:
+                        left = call.started + timeout - now
+                        if left <= 0:
+                            call.abandoned, call.error = True, f"timed out after {timeout:g} s"
+                            self._workers -= 1
+                            self._spawn()
+                            continue
+                        wait = left if wait is None else min(wait, left)
+                    pending = True
+                if not pending:
+                    return calls
+                self._cond.wait(wait)
+
+    def close(self) -> None:
+        """Let the idle threads end (abandoned ones end when their call returns, if ever)."""
+        with self._cond:
+            for _ in range(self._workers):
+                self._queue.put(None)
+            self._workers = 0
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _first_stop(ids: list[int], stops: tuple[str, ...], tokenizer: Any) -> int | None:
+    """The shortest prefix of ``ids`` whose text contains a stop string (its length), or None. Binary search on
+    decoded prefixes: a token's text may join its neighbours', so stops are found in text, not per token."""
+    if not stops or not any(s in _decode(tokenizer, ids) for s in stops):
+        return None
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in _decode(tokenizer, ids[:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _cut_turn(ids: list[int], budget: int, eos: set[int], stops: tuple[str, ...],
+              tokenizer: Any) -> tuple[int, str | None]:
+    """How many of a turn's generated ids to keep, and why the turn ended: ``stop``, ``eos`` or None (budget)."""
+    ids = ids[:budget]
+    first_eos = next((j for j, t in enumerate(ids) if t in eos), None)
+    stop = _first_stop(ids[:first_eos] if first_eos is not None else ids, stops, tokenizer)
+    if stop is not None:
+        return stop, "stop"
+    if first_eos is not None:
+        return first_eos + 1, "eos"
+    return len(ids), None
+
+
+def run_episodes(
+    prompt_ids: Sequence[Sequence[int]],
+    environments: Sequence[Any],
+    generate: GenerateFn,
+    tokenizer: Any,
+    *,
+    rows: Sequence[Mapping[str, Any]] | None = None,
+    max_turns: int,
+    max_completion_length: int,
+    step_timeout: float | None = 60.0,
+    max_workers: int = 16,
+    eos_token_ids: Sequence[int] | None = None,
+) -> list[Episode]:
+    """Run one episode per prompt (``environments[i]`` a fresh or reusable instance, reset with ``rows[i]``) to its
+    end; see the module docstring. ``max_turns`` counts model turns; ``step_timeout`` (seconds, None: none) bounds
+    each ``reset`` and ``step`` call; ``max_workers`` bounds concurrent environment calls. ``tokenizer`` needs
+    ``__call__(text, add_special_tokens=False)``, ``decode(ids, skip_special_tokens=True)`` and, without
+    ``eos_token_ids``, ``eos_token_id``. An exception from ``generate`` propagates (the model's failure, not the
+    environment's)."""
+    n = len(prompt_ids)
+    rows = list(rows) if rows is not None else [{} for _ in range(n)]
+    if len(environments) != n or len(rows) != n:
+        raise ValueError(f"run_episodes: {n} prompts, {len(environments)} environments, {len(rows)} rows")
+    if max_turns < 1 or max_completion_length < 1:
+        raise ValueError(f"max_turns and max_completion_length must be >= 1, got {max_turns}, {max_completion_length}")
+    eos = set(eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id])
+    eos_id = next(iter(eos_token_ids)) if eos_token_ids else tokenizer.eos_token_id
+    episodes = [Episode(list(p)) for p in prompt_ids]
+    rewards: list[list[float]] = [[] for _ in range(n)]
+    stops_of = [tuple(getattr(env, "stop_strings", ())) for env in environments]
+    pool = StepPool(max_workers)
+
+    def observation_ids(ep: Episode, text: str | None) -> list[int] | None:
+        try:
+            return _encode(tokenizer, text) if text else []
+        except Exception as err:  # noqa: BLE001 - text the model's tokenizer cannot represent
+            ep._fail(f"observation {text!r} cannot be tokenised: {type(err).__name__}: {err}")
+            return None
+
+    try:
+        resets = pool.run([partial(env.reset, **row) for env, row in zip(environments, rows)], step_timeout)
+        live = []
+        for i, (ep, call) in enumerate(zip(episodes, resets)):
+            if call.error is not None:
+                ep._fail(f"environment reset: {call.error}")
+            elif (ids := observation_ids(ep, call.value)) is not None:
+                ep.prompt_ids.extend(ids)
+                live.append(i)
+
+        while live:
+            generated: dict[int, tuple[list[int], list[float] | None]] = {}
+            groups: dict[tuple[str, ...], list[int]] = {}
+            for i in live:
+                groups.setdefault(stops_of[i], []).append(i)
+            for stops, members in groups.items():
+                budget = max(max_completion_length - len(episodes[i].completion_ids) for i in members)
+                seqs = [episodes[i].prompt_ids + episodes[i].completion_ids for i in members]
+                out = list(generate(seqs, budget, stops))
+                if len(out) != len(seqs):
+                    raise ValueError(f"generate returned {len(out)} results for {len(seqs)} sequences")
+                for i, (ids, logprobs) in zip(members, out):
+                    if logprobs is not None and len(logprobs) != len(ids):
+                        raise ValueError(f"generate returned {len(logprobs)} log-probs for {len(ids)} tokens")
+                    generated[i] = (list(ids), None if logprobs is None else list(logprobs))
+
+            stepping: list[tuple[int, str, str]] = []
+            for i in live:
+                ep, (ids, logprobs) = episodes[i], generated[i]
+                keep, ended = _cut_turn(ids, max_completion_length - len(ep.completion_ids), eos, stops_of[i],
+                                        tokenizer)
+                ep._append(ids[:keep], None if logprobs is None else logprobs[:keep], 1)
+                ep.turns += 1
+                text = _decode(tokenizer, ids[:keep])
+                ep.transcript.append(("model", text))
+                if ended is None:
+                    ep.stop_reason = "max_tokens"
+                else:
+                    stepping.append((i, text, ended))
+
+            steps = pool.run([partial(environments[i].step, text) for i, text, _ in stepping], step_timeout)
+            live = []
+            for (i, _, ended), call in zip(stepping, steps):
+                ep = episodes[i]
+                if call.error is not None:
+                    ep._fail(f"environment step: {call.error}")
+                    continue
+                value = call.value
+                if not isinstance(value, tuple) or len(value) not in (3, 4):
+                    ep._fail(f"environment step returned {type(value).__name__}, expected StepResult(observation, "
+                             f"done, reward)")
+                    continue
+                result = StepResult(*value)
+                for tc in result.tool_calls:
+                    if tc.status == "unknown":
+                        ep.unknown_tool_calls += 1
+                        continue
+                    ep.tool_calls[tc.name] = ep.tool_calls.get(tc.name, 0) + 1
+                    ep.tool_seconds[tc.name] = ep.tool_seconds.get(tc.name, 0.0) + tc.seconds
+                    if tc.status == "error":
+                        ep.tool_failures[tc.name] = ep.tool_failures.get(tc.name, 0) + 1
+                if result.reward is not None:
+                    rewards[i].append(float(result.reward))
+                left = max_completion_length - len(ep.completion_ids)
+                if ended == "eos":
+                    ep.stop_reason = "eos"
+                elif result.done:
+                    ep.stop_reason = "done"
+                    if (obs := observation_ids(ep, result.observation)) is None:
+                        continue
+                    tail = obs + [eos_id] if len(obs) + 1 <= left else [eos_id] if left >= 1 else []
+                    if tail:
+                        ep._append(tail, [ENV_LOGPROB] * len(tail), 0)
+                        if len(tail) > 1:
+                            ep.transcript.append(("env", result.observation or ""))
+                elif ep.turns >= max_turns:
+                    ep.stop_reason = "max_turns"
+                else:
+                    if (obs := observation_ids(ep, result.observation)) is None:
+                        continue
+                    if len(obs) > left:
+                        ep.stop_reason = "max_tokens"
+                        continue
+                    if obs:
+                        ep._append(obs, [ENV_LOGPROB] * len(obs), 0)
+                        ep.transcript.append(("env", result.observation or ""))
+                    if len(obs) == left:
+                        ep.stop_reason = "max_tokens"
+                    else:
+                        live.append(i)
+    finally:
+        pool.close()
+
+    for ep, env, got in zip(episodes, environments, rewards):
+        if ep.error is None:
+            ep.reward = math.fsum(got) if got else getattr(env, "default_reward", None)
+    return episodes
+
+
+def rollout_fields(episodes: Sequence[Episode]) -> dict[str, Any]:
+    """What TRL's ``rollout_func`` returns for these episodes: ``prompt_ids``, ``completion_ids``, ``logprobs`` (None
+    when any episode has none), ``env_mask``, and ``env_reward`` (forwarded to reward functions as a column)."""
+    logprobs = [ep.logprobs for ep in episodes]
+    return {
+        "prompt_ids": [ep.prompt_ids for ep in episodes],
+        "completion_ids": [ep.completion_ids for ep in episodes],
+        "logprobs": None if any(lp is None for lp in logprobs) else logprobs,
+        "env_mask": [ep.env_mask for ep in episodes],
+        "env_reward": [ep.reward for ep in episodes],
+    }
