@@ -20,8 +20,8 @@ from prefect.states import Cancelled, Failed
 import grpo.pipeline.stages
 from flows.stages import (PrefectProgress, dataset_summary, dataset_table, eval_flow, plan_flow, plan_markdown, prep_flow,
                           summarize_for_ui)
-from flows.run_form import (UNSET, AsyncSettings, BatchSizeField, DataSettings, EvaluationSettings, ExperimentSettings,
-                            GRPOSettings, LearningRateField, LossTypeField, MaxStepsField, ModelSettings,
+from flows.run_form import (UNSET, AsyncSettings, BatchSizeField, DataSettings, EnvironmentSettings,
+                            EvaluationSettings, ExperimentSettings, GRPOSettings, LearningRateField, LossTypeField, MaxStepsField, ModelSettings,
                             NumGenerationsField, Overrides, PresetChoice, Resume, RewardFuncsField, RunName,
                             SamplingSettings, SeedField, TrackingSettings, TrackingTags, WholeConfig, form_settings,
                             given)
@@ -166,6 +166,7 @@ def grpo_pipeline(
     grpo_settings: GRPOSettings = UNSET,
     sampling_settings: SamplingSettings = UNSET,
     async_settings: AsyncSettings = UNSET,
+    environment_settings: EnvironmentSettings = UNSET,
     evaluation_settings: EvaluationSettings = UNSET,
     tracking_settings: TrackingSettings = UNSET,
     experiment_settings: ExperimentSettings = UNSET,
@@ -184,7 +185,8 @@ def grpo_pipeline(
          "num_generations": num_generations, "reward_funcs": reward_funcs, "loss_type": loss_type, "seed": seed},
         {"data_settings": data_settings, "model_settings": model_settings, "grpo_settings": grpo_settings,
          "sampling_settings": sampling_settings, "async_settings": async_settings,
-         "evaluation_settings": evaluation_settings, "tracking_settings": tracking_settings,
+         "environment_settings": environment_settings, "evaluation_settings": evaluation_settings,
+         "tracking_settings": tracking_settings,
          "experiment_settings": experiment_settings})
     logger = get_run_logger()
     flow_run_id, flow_run_name, attempt = _flow_run_info()

@@ -41,6 +41,8 @@ SECTIONS: dict[str, tuple[str | None, str, str]] = {
                       "checkpoints, vLLM"),
     "sampling_settings": ("sampling", "Sampling and balancing", "Prompt order over ranks and sequence balancing"),
     "async_settings": ("async", "Async generation", "The asynchronous rollout producer, staleness and replay"),
+    "environment_settings": ("environment", "Environments and tools", "Multi-turn rollouts: the environment, its "
+                             "tools, protocol and turn limit"),
     "evaluation_settings": ("evaluation", "Evaluation", "Held-out evaluation before and after training"),
     "tracking_settings": ("tracking", "MLflow tracking", "Tracking URI, experiment, what gets logged"),
     "experiment_settings": (None, "Experiment", "Experiment name and the folder runs are written to"),
@@ -277,6 +279,7 @@ ModelSettings = section("model_settings")
 GRPOSettings = section("grpo_settings")
 SamplingSettings = section("sampling_settings")
 AsyncSettings = section("async_settings")
+EnvironmentSettings = section("environment_settings")
 EvaluationSettings = section("evaluation_settings")
 TrackingSettings = section("tracking_settings")
 ExperimentSettings = section("experiment_settings")

@@ -19,8 +19,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 SCREENSHOTS = REPO / "test-output"
 # The pipeline form's config sections, top to bottom (flows/run_form.py SECTIONS).
-SECTION_TITLES = ["Data", "Model", "GRPO training", "Sampling and balancing", "Async generation", "Evaluation",
-                  "MLflow tracking", "Experiment"]
+SECTION_TITLES = ["Data", "Model", "GRPO training", "Sampling and balancing", "Async generation",
+                  "Environments and tools", "Evaluation", "MLflow tracking", "Experiment"]
 
 
 def require_chromium() -> None:

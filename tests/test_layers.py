@@ -12,7 +12,7 @@
   ``grpo.pipeline`` (recipe, stages, data, tracking) never imports the app or Prefect.
 - ``grpo.config`` imports below it only: ``grpo.errors``, the batch layout (``grpo.algo.batch_layout``) and the
   synthetic tasks (``grpo.tasks``). One module reaches up, ``grpo.config.trl_and_rewards`` (TRL's ``GRPOConfig``
-  fields and help, transformers' loggers, the reward registry), and only inside its functions: importing the config
+  fields and help, transformers' loggers, the reward, environment and tool registries), and only inside its functions: importing the config
   imports none of them.
 - TRL, accelerate and peft are imported only by the training layer, and by ``grpo.config.trl_and_rewards`` and
   ``grpo.distributed`` (accelerate's process state); transformers besides only by
@@ -105,7 +105,8 @@ def test_config_imports_below_it_and_reaches_up_in_one_module():
     below = ("grpo.config", "grpo.errors", "grpo.algo.batch_layout", "grpo.tasks")
 
     def allowed(mod: str, imp: str) -> bool:
-        if mod == CONFIG_REACHES_UP and (top(imp) in {"trl", "transformers"} or under(imp, "grpo.rewards")):
+        if mod == CONFIG_REACHES_UP and (top(imp) in {"trl", "transformers"} or under(imp, "grpo.rewards")
+                                         or under(imp, "grpo.environments")):
             return True
         if top(imp) == "grpo":
             return imp == "grpo" or any(under(imp, p) for p in below)
@@ -118,14 +119,14 @@ def test_config_imports_below_it_and_reaches_up_in_one_module():
 
 
 def test_importing_the_config_imports_nothing_above_it():
-    """``grpo.config.trl_and_rewards`` imports TRL, transformers and the rewards when a check or the form needs them,
+    """``grpo.config.trl_and_rewards`` imports TRL, transformers, the rewards and the environments when a check or the form needs them,
     never at import: every ``grpo`` command and test imports the config."""
     code = "import sys, grpo.config; print(' '.join(sorted(sys.modules)))"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     loaded = set(subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True,
                                 cwd=ROOT).stdout.split())
     assert "grpo.config.trl_and_rewards" in loaded
-    above = {"trl", "transformers", "torch", "grpo.rewards", "grpo.training", "grpo.pipeline", "grpo.app", "mlflow",
+    above = {"trl", "transformers", "torch", "grpo.rewards", "grpo.environments", "grpo.training", "grpo.pipeline", "grpo.app", "mlflow",
              "prefect"}
     assert sorted(m for m in loaded if any(under(m, a) for a in above)) == []
 

@@ -12,7 +12,7 @@ import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from grpo.config.trl_and_rewards import check_reward_names
+from grpo.config.trl_and_rewards import check_environment_names, check_reward_names
 
 if TYPE_CHECKING:
     from grpo.config.sections import ExperimentConfig
@@ -235,6 +235,29 @@ def vllm_is_installed(cfg: ExperimentConfig) -> None:
         raise ValueError("grpo.use_vllm: vllm is not installed; install the 'gpu' extra (pip install -e '.[gpu]')")
 
 
+# ---------------------------------------------------------------- environments (multi-turn rollouts)
+
+
+def environment_is_registered(cfg: ExperimentConfig) -> None:
+    """An environment and its tools are built by name in every rollout process; an unknown name would fail only
+    after the model is built."""
+    env = cfg.environment
+    check_environment_names("environment.name", env.name, "environment.tools", env.tools)
+    if not env.enabled and (env.tools or env.kwargs):
+        raise ValueError("environment.tools / environment.kwargs are set but environment.name is empty; name the "
+                         "environment they belong to (grpo environments lists them)")
+
+
+def chat_protocol_needs_a_chat_model(cfg: ExperimentConfig) -> None:
+    """TRL's tool loop parses tool calls with the chat template's response schema; the tiny model's character
+    tokenizer has none, and the text protocol needs none."""
+    env = cfg.environment
+    if env.enabled and env.protocol == "chat" and cfg.model.is_tiny:
+        raise ValueError("environment.protocol 'chat' runs TRL's tool-calling loop, which needs a chat model whose "
+                         "template TRL recognises (Qwen2.5/3, Llama 3.1/3.2, ...); the 'tiny' model's character "
+                         "tokenizer has no chat template: use environment.protocol: text")
+
+
 # ---------------------------------------------------------------- model and prompts
 
 
@@ -364,6 +387,8 @@ RULES: tuple[Callable[[ExperimentConfig], None], ...] = (
     replay_sums_rewards_first,
     no_sequence_parallel_attention,
     ranks_generate_whole_groups,
+    environment_is_registered,
+    chat_protocol_needs_a_chat_model,
 )
 
 

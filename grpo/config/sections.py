@@ -16,11 +16,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from grpo.algo.batch_layout import BatchLayout
 from grpo.config.rules import check_rules
-from grpo.config.trl_and_rewards import check_extra_fields, check_report_to, reward_enum, trl_help
+from grpo.config.trl_and_rewards import (
+    check_extra_fields,
+    check_report_to,
+    environment_enum,
+    reward_enum,
+    tool_enum,
+    trl_help,
+)
 
 LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
 ScaleRewards = Literal["group", "batch", "none"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+EnvironmentProtocol = Literal["text", "chat"]
 
 
 class _Section(BaseModel):
@@ -408,6 +416,50 @@ class AsyncSection(_Section):
     attention)."""
 
 
+class EnvironmentSection(_Section):
+    """Multi-turn rollouts: the policy acts in a registered environment turn by turn, calling its tools
+    (``grpo environments`` lists them). Without a name every rollout is one completion scored by the rewards."""
+
+    name: str | None = Field(
+        None,
+        description="Registered environment each episode runs in (built-ins: calculator, guess_digit). Empty: "
+        "single-turn completions. A dataset column `environment` routes each row to the environment it names.",
+        json_schema_extra=environment_enum,
+    )
+    kwargs: dict[str, Any] = Field(
+        {}, description="Keyword arguments of the environment, e.g. {tool: off} for calculator (TRL's "
+        "environment_factory arguments)."
+    )
+    tools: list[str] = Field(
+        [], description="Registered tools offered to the model besides the environment's own (TRL's tools=).",
+        json_schema_extra=tool_enum,
+    )
+    protocol: EnvironmentProtocol = Field(
+        "text",
+        description="'text': any tokenizer; a stop string ends a model turn and the environment's reply is appended "
+        "as tokens. 'chat': TRL's tool-calling loop, for chat models whose template TRL recognises (Qwen2.5/3, "
+        "Llama 3.1/3.2, ...).",
+    )
+    max_tool_calling_iterations: int = Field(
+        3, ge=0, description="Environment replies per episode (TRL's name); an episode has at most this + 1 model "
+        "turns, then it is truncated and counted."
+    )
+    step_timeout: float | None = Field(
+        60.0, gt=0, description="Seconds an environment's reset or step may take; past it the episode scores NaN "
+        "(left out of its group's statistics) and training goes on. Empty: no limit."
+    )
+    max_concurrency: int = Field(16, ge=1, description="Environment steps run at once (a bounded thread pool).")
+
+    @property
+    def enabled(self) -> bool:
+        return self.name is not None
+
+    @property
+    def max_turns(self) -> int:
+        """Model turns per episode: one, then one after each environment reply."""
+        return self.max_tool_calling_iterations + 1
+
+
 class EvaluationConfig(_Section):
     enabled: bool = True
     """Evaluate greedy accuracy (and pass@k) on the held-out split."""
@@ -451,6 +503,8 @@ class ExperimentConfig(_Section):
     """GRPO training; names are trl.GRPOConfig's."""
     async_: AsyncSection = Field(AsyncSection(), alias="async")
     """Async generation and the fast-async toolkit; names are axolotl's."""
+    environment: EnvironmentSection = EnvironmentSection()
+    """Multi-turn rollouts in a registered environment, with tools."""
     evaluation: EvaluationConfig = EvaluationConfig()
     """Held-out evaluation before and after training."""
     tracking: TrackingConfig = TrackingConfig()

@@ -1,5 +1,6 @@
 """What the config checks against the layers above it: ``trl.GRPOConfig``'s fields and help text, transformers'
-logger integrations (``grpo.report_to``) and the reward registry (:mod:`grpo.rewards`).
+logger integrations (``grpo.report_to``), the reward registry (:mod:`grpo.rewards`) and the environment and tool
+registries (:mod:`grpo.environments`).
 
 This module is the config's one way up: no other :mod:`grpo.config` module imports TRL, transformers or
 :mod:`grpo.rewards` (``tests/test_layers.py``). It imports them inside the functions that read them, so importing the
@@ -19,8 +20,11 @@ __all__ = [
     "TRL_SECRET_FIELDS",
     "check_extra_fields",
     "check_report_to",
+    "check_environment_names",
     "check_reward_names",
+    "environment_enum",
     "reward_enum",
+    "tool_enum",
     "trl_help",
 ]
 
@@ -105,6 +109,19 @@ def check_reward_names(fields: dict[str, list[str]]) -> None:
                 raise ValueError(f"{field}: unknown reward {name!r}; registered rewards: {', '.join(known)}")
 
 
+def check_environment_names(field: str, name: str | None, tools_field: str, tools: list[str]) -> None:
+    """The environment and the tools a config names are registered (built-ins, entry points, ``GRPO_ENV_MODULES``,
+    ``--env-module``)."""
+    from grpo.environments import available_environments, available_tools
+
+    if name is not None and name not in (known := available_environments()):
+        raise ValueError(f"{field}: unknown environment {name!r}; registered environments: {', '.join(known)}")
+    known_tools = available_tools()
+    for tool in tools:
+        if tool not in known_tools:
+            raise ValueError(f"{tools_field}: unknown tool {tool!r}; registered tools: {', '.join(known_tools)}")
+
+
 # ---------------------------------------------------------------- Prefect form helpers (pydantic json_schema_extra)
 
 
@@ -123,6 +140,32 @@ def trl_help(schema: dict[str, Any]) -> None:
                     break
                 short += ". " + more
             prop["description"] = short.rstrip(".") + " (TRL)"
+
+
+def environment_enum(schema: dict[str, Any]) -> None:
+    """Registered environment names as a closed choice (a dropdown in the Prefect form)."""
+    from grpo.environments import available_environments
+
+    _choices(schema, available_environments())
+
+
+def tool_enum(schema: dict[str, Any]) -> None:
+    """Registered tool names as a closed choice."""
+    from grpo.environments import available_tools
+
+    _choices(schema, available_tools())
+
+
+def _choices(schema: dict[str, Any], names: list[str]) -> None:
+    """Set the enum on a list's items, or on the one non-null branch of an optional field."""
+    if "items" in schema:
+        schema["items"]["enum"] = sorted(names)
+    elif "anyOf" in schema:
+        for branch in schema["anyOf"]:
+            if branch.get("type") != "null":
+                branch["enum"] = sorted(names)
+    else:
+        schema["enum"] = sorted(names)
 
 
 def reward_enum(schema: dict[str, Any]) -> None:
