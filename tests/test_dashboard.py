@@ -240,7 +240,7 @@ def test_cli(tmp_path, mlflow_server, experiment):
 
 
 def test_sweep_dashboard_shows_optuna_importances_and_pruned_trials(tmp_path, mlflow_server):
-    """A sweep's importances (logged by flows/sweep.py as sweep/importances.json on the parent run) become a bar
+    """A sweep's importances (logged by grpo/pipeline/sweep.py as sweep/importances.json on the parent run) become a bar
     chart and a table; a trial the study pruned (tag grpo.sweep.pruned) shows the status PRUNED; too few trials give
     the sweep's note instead of a chart."""
     exp = make_experiment(mlflow_server.uri)

@@ -185,7 +185,7 @@ def test_load_space_yaml_and_json(tmp_path, base):
 def test_study_names_storage_and_continuing_a_study(tmp_path, base):
     """The study a sweep continues: by name in the storage; a deployment's runs share <config.name>-<deployment>; a
     stored study's direction and metric can not change under it."""
-    from flows.sweep import StudyError, default_storage, default_study_name, open_study
+    from grpo.pipeline.sweep import StudyError, default_storage, default_study_name, open_study
 
     cfg = base.model_copy(update={"output_dir": str(tmp_path / "runs")})
     assert default_storage(cfg) == f"sqlite:///{tmp_path / 'runs' / 'optuna.db'}"
@@ -207,7 +207,7 @@ def test_study_names_storage_and_continuing_a_study(tmp_path, base):
 def test_param_importances_over_the_study_or_why_not():
     import optuna
 
-    from flows.sweep import param_importances
+    from grpo.pipeline.sweep import param_importances
 
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
     assert param_importances(study)["note"].startswith("importances need at least 2 completed trials and 2 params; "
@@ -262,7 +262,8 @@ def test_sweep_via_deployment_creates_linked_flow_runs(tmp_path, prefect_in_proc
     """Smoke path of ``use_deployment``: no worker serves the deployment here, so each trial's flow run is created
     (with the trial's config, run name and MLflow nesting tags) and stays scheduled until ``trial_timeout``."""
     from flows.pipeline import grpo_pipeline
-    from flows.sweep import SweepError, grpo_sweep
+    from flows.sweep import grpo_sweep
+    from grpo.pipeline.sweep import SweepError
 
     grpo_pipeline.to_deployment(name="sweep-smoke").apply()
     cfg = load_config(MICRO, micro_overrides(tmp_path, **{
@@ -354,7 +355,9 @@ def test_tpe_sweep_prunes_and_a_scheduled_run_continues_the_study(tmp_path, pref
     same stored study."""
     import optuna
 
-    from flows.sweep import default_study_name, grpo_sweep
+    from flows.sweep import grpo_sweep
+    from grpo.app.sweep_dashboard import add_comparison_dashboard
+    from grpo.pipeline.sweep import default_study_name
 
     cfg = load_config(MICRO, micro_overrides(tmp_path, **{
         "grpo.max_steps": 4, "grpo.logging_steps": 1, "grpo.save_steps": 100, "evaluation.enabled": "false",
@@ -366,6 +369,7 @@ def test_tpe_sweep_prunes_and_a_scheduled_run_continues_the_study(tmp_path, pref
     assert nightly["study_name"] == f"{cfg.name}-nightly"  # what a run of grpo-sweep/nightly defaults to
 
     first = grpo_sweep(config=cfg, sweep_name="night1", **nightly)
+    add_comparison_dashboard(cfg, first)  # what `grpo sweep` does after the flow
     print(json.dumps([{k: r[k] for k in ("trial", "status", "grpo.temperature", "metric_value", "pruned_at_step")}
                       for r in first["trials"]], indent=1))
     assert [r["trial"] for r in first["trials"]] == list(range(6))
@@ -415,7 +419,7 @@ def test_metric_from_mlflow_reads_either_eval_naming(mlflow_server):
     eval/accuracy at step 0 and the last step as from one logged with the earlier single-point names."""
     from mlflow.entities import Metric
 
-    from flows.sweep import _metric_value
+    from grpo.pipeline.sweep import _metric_value
 
     client = MlflowClient(mlflow_server.uri)
     exp = client.create_experiment(f"metric-names-{time.time_ns()}")
