@@ -292,6 +292,42 @@ def test_sweep_via_deployment_creates_linked_flow_runs(tmp_path, prefect_in_proc
     assert {r["state_type"] for r in runs} == {"CANCELLED"}  # given up on: no worker picks them up later
 
 
+PLAIN_SWEEP = """
+import json, sys
+from grpo.config import load_config
+from grpo.pipeline.sweep import InProcessTrials, run_sweep
+
+cfg = load_config(sys.argv[1], sys.argv[2:])
+result = run_sweep(cfg, {"grid": {"grpo.learning_rate": [1.0e-4, 3.0e-4]}}, InProcessTrials(), name="plain",
+                   metric="reward_last", max_concurrency=2)
+print(json.dumps({"result": result, "modules": sorted({m.split(".")[0] for m in sys.modules})}, default=str))
+"""
+
+
+@pytest.mark.integration
+def test_the_sweep_runs_without_prefect(tmp_path):
+    """#29: the sweep itself is Prefect-free: ``run_sweep`` with ``InProcessTrials()`` runs a 2-point grid (trials in
+    threads of one process, at most two at once) with the recipe's plain stages, and never imports Prefect or
+    ``flows/``."""
+    sets = micro_overrides(tmp_path / "runs", **{"grpo.max_steps": 2, "grpo.save_steps": 100,
+                                                 "evaluation.enabled": "false"})
+    proc = subprocess.run([sys.executable, "-c", PLAIN_SWEEP, str(MICRO), *sets], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not {"prefect", "flows", "dashboards"} & set(out["modules"]), out["modules"]
+    result = out["result"]
+    assert [(r["trial"], r["status"], r["grpo.learning_rate"]) for r in result["trials"]] == [
+        (0, "completed", 1e-4), (1, "completed", 3e-4)]
+    for r in result["trials"]:
+        summary = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
+        assert summary["steps"] == 2 and r["metric_value"] == summary["reward_last"]
+    assert result["best"]["metric_value"] == max(r["metric_value"] for r in result["trials"])
+    assert result["completed"] == 2 and result["mlflow_run_id"] is None  # tracking.backend none: no parent run
+    assert json.loads((tmp_path / "runs" / "plain" / "sweep.json").read_text())["trials"] == result["trials"]
+    assert result["dashboard"]["kind"] == "placeholder" and Path(result["dashboard"]["path"]).is_file()
+
+
 def test_the_shipped_example_spaces_validate():
     grid = validate_space(load_config("tiny"), load_space("tiny-lr-beta"))
     assert grid.n_trials == 4 and {p["grpo.learning_rate"] for p in grid.grid_points()} == {1e-4, 3e-4}
