@@ -405,7 +405,8 @@ def _pipeline_overhead(root: Path, opts: Settings) -> dict:
         if opts.smoke:
             sets += ["grpo.max_steps=4", "model.warm_start.steps=10", "evaluation.num_prompts=16"]
         if kind == "prefect":
-            sets += ["tracking.backend=mlflow", f"tracking.tracking_uri={uri}", "tracking.experiment_name=bench-pipeline"]
+            sets += ["tracking.backend=mlflow", f"tracking.tracking_uri={uri}",
+                     "tracking.experiment_name=bench-pipeline"]
         else:
             sets += ["tracking.backend=none"]
         return sets

@@ -253,8 +253,8 @@ def results_markdown(result: dict[str, Any]) -> str:
              f"{study['n_trials']} trials in all ({', '.join(f'{v} {k}' for k, v in study['states'].items())})",
              f"- metric: `{result['metric']}` ({result['direction']})"]
     if best is not None:
-        lines.append(f"- best of the study: trial {best['trial']} `{best['run_name']}` = **{best['metric_value']:.4g}** "
-                     f"({', '.join(f'{k}={v}' for k, v in best['overrides'].items())})")
+        lines.append(f"- best of the study: trial {best['trial']} `{best['run_name']}` = "
+                     f"**{best['metric_value']:.4g}** ({', '.join(f'{k}={v}' for k, v in best['overrides'].items())})")
     if registered is not None:
         lines.append(f"- registered: `{registered['name']}` version {registered['version']} "
                      f"(alias `{registered['alias']}`{', unchanged' if registered.get('unchanged') else ''})")

@@ -75,7 +75,7 @@ def make_experiment(uri: str) -> dict:
     exp_id = client.create_experiment(name)
     t0 = int(time.time() * 1000) - 3_600_000
     parent = client.create_run(exp_id, run_name="sweep-lr", tags={"grpo.sweep": "lr"}, start_time=t0)
-    # the sweep's own params (flows/sweep.py), none of the config's
+    # the sweep's own params (grpo/pipeline/sweep.py), none of the config's
     client.log_batch(parent.info.run_id, params=[Param("sweep.sampler", "grid"), Param("sweep.trials", "3")])
     children = {}
     for i, (run_name, (lr, families, status)) in enumerate(SWEEP_RUNS.items()):

@@ -398,7 +398,8 @@ def _configure(sweep: Sweep, trial: Trial, trials: TrialRunner) -> None:
         trial.pruning = _pruning_hook(trial.study_trial, sweep.space.pruner_spec, sweep.direction)
         stages.add_run_callback(trial.run_dir, trial.pruning)
     trial.tags = {"grpo.run_type": "trial", "grpo.sweep": sweep.name, "grpo.sweep.trial": str(trial.number),
-                  "grpo.sweep.study": sweep.study_name, "grpo.sweep.overrides": json.dumps(trial.overrides, default=str)}
+                  "grpo.sweep.study": sweep.study_name,
+                  "grpo.sweep.overrides": json.dumps(trial.overrides, default=str)}
     if sweep.parent is not None:
         trial.tags["mlflow.parentRunId"] = sweep.parent.run_id
 
