@@ -9,12 +9,16 @@
    shared CPU); TRL's own ``step_time`` metric (forward/backward of ``training_step`` only, so it does not contain
    the callbacks) is reported next to it. Also: the cost of one ``log_metrics`` call in the training thread, and
    whether every point reached MLflow after ``close()`` (MLflow's metric history against ``metrics.jsonl``).
-2. Pipeline overhead (informational). The whole pipeline on ``tests/micro.yaml`` settings through the Prefect flow
-   ``grpo_pipeline`` (ephemeral Prefect API, MLflow tracking to SQLite) versus the same stages called directly by
-   ``grpo.pipeline.experiment.run_experiment`` with tracking off. Prefect's temporary server starts with the first flow of the
+2. Pipeline overhead (informational). The whole pipeline on ``tests/micro.yaml`` settings as ``grpo run`` runs it
+   (:func:`grpo.app.cli.run` in this process: the Prefect flow ``grpo-pipeline``, ephemeral Prefect API, MLflow
+   tracking to SQLite) versus the same stages called directly by ``grpo.pipeline.experiment.run_experiment`` with
+   tracking off. Like every benchmark it goes through the library's entry points (``grpo.*``), never a flow's
+   internals (tests/test_layers.py). Prefect's temporary server starts with the first flow of the
    process; a no-op flow run first measures that start (and a second one the per-flow cost), outside the rounds.
    The MLflow part of the pipeline is timed by wrapping ``tracker_from_config`` / ``log_model`` in
-   :mod:`grpo.pipeline.run_tracking`, where the pipeline looks them up; the benchmark fails if the pipeline stops calling them.
+   :mod:`grpo.pipeline.run_tracking`, where the pipeline looks them up, and the training-progress artifact by timing
+   the Prefect client's artifact updates (two per optimizer step at least: the train subflow's and the pipeline
+   run's); the benchmark fails if the pipeline stops calling them.
 
 The variants run interleaved, the order flipping every round (A B, B A, A B, ...), so machine noise and drift hit
 both alike; each reported figure is the median over rounds. The warm-started tiny models are built once, before any
@@ -42,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+import contextlib
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -395,16 +400,19 @@ def _pipeline_overhead(root: Path, opts: Settings) -> dict:
     micro = REPO / "tests" / "micro.yaml"
     uri = f"sqlite:///{root / 'mlflow-pipeline.db'}"
 
-    def config(kind: str, i: int):
-        overrides = [f"output_dir={root / f'pipe-{kind}-{i}'}"]
+    def overrides(kind: str, i: int) -> list[str]:
+        sets = [f"output_dir={root / f'pipe-{kind}-{i}'}"]
         if opts.smoke:
-            overrides += ["grpo.max_steps=4", "model.warm_start.steps=10", "evaluation.num_prompts=16"]
+            sets += ["grpo.max_steps=4", "model.warm_start.steps=10", "evaluation.num_prompts=16"]
         if kind == "prefect":
-            overrides += ["tracking.backend=mlflow", f"tracking.tracking_uri={uri}",
-                          "tracking.experiment_name=bench-pipeline"]
+            sets += ["tracking.backend=mlflow", f"tracking.tracking_uri={uri}",
+                     "tracking.experiment_name=bench-pipeline"]
         else:
-            overrides += ["tracking.backend=none"]
-        return load_config(micro, overrides)
+            sets += ["tracking.backend=none"]
+        return sets
+
+    def config(kind: str, i: int):
+        return load_config(micro, overrides(kind, i))
 
     # The micro warm start, built once into the shared cache before any timing.
     t0 = time.perf_counter()
@@ -416,7 +424,7 @@ def _pipeline_overhead(root: Path, opts: Settings) -> dict:
 
     from prefect import flow
 
-    import flows.pipeline as pipeline
+    from grpo.app import cli
 
     @flow(name="bench-noop")
     def noop() -> int:
@@ -451,10 +459,9 @@ def _pipeline_overhead(root: Path, opts: Settings) -> dict:
             tracker.close = timed(tracker.close, "tracker_close")
         return tracker
 
-    # The progress artifact the train flow updates through the Prefect API after every optimizer step.
-    import flows.stages
+    # The progress artifacts the train flow updates through the Prefect API after every optimizer step.
+    from prefect.client.orchestration import SyncPrefectClient
 
-    progress_cls = flows.stages.PrefectProgress
     progress_s: list[float] = []
     progress_calls = [0]
 
@@ -472,10 +479,10 @@ def _pipeline_overhead(root: Path, opts: Settings) -> dict:
         patches.enter_context(mock.patch.object(grpo.pipeline.run_tracking, "tracker_from_config", tracker_from_config))
         patches.enter_context(mock.patch.object(grpo.pipeline.run_tracking, "log_model",
                                                 timed(grpo.pipeline.run_tracking.log_model, "log_model")))
-        for name in ("on_train_begin", "on_step_end"):
-            patches.enter_context(mock.patch.object(progress_cls, name, timed_progress(getattr(progress_cls, name))))
-        times, train_s, flow_runs_before, flow_runs = _pipeline_rounds(opts, config, pipeline, run_experiment,
-                                                                       open_run_dir)
+        patches.enter_context(mock.patch.object(SyncPrefectClient, "update_artifact",
+                                                timed_progress(SyncPrefectClient.update_artifact)))
+        times, train_s, flow_runs_before, flow_runs = _pipeline_rounds(opts, micro, overrides, config, cli,
+                                                                       run_experiment, open_run_dir)
     # Each tracked (Prefect) round starts, closes and logs a model once; fewer means the wrappers missed the calls the
     # pipeline really makes (it moved them elsewhere) and the figures below would silently leave them out.
     for key in parts:
@@ -483,7 +490,8 @@ def _pipeline_overhead(root: Path, opts: Settings) -> dict:
             raise RuntimeError(f"pipeline tracking not measured: {key} timed {len(parts[key])} times in "
                                f"{opts.pipeline_rounds} tracked pipeline runs; update the wrappers in {__name__}")
     if progress_calls[0] == 0:
-        raise RuntimeError("the train flow's PrefectProgress callback was never called; update the benchmark")
+        raise RuntimeError("the train flow updated no progress artifact through the Prefect client; update the "
+                           "benchmark")
 
     prefect_s, direct_s = statistics.median(times["prefect"]), statistics.median(times["direct"])
     return {
@@ -512,8 +520,9 @@ def _pipeline_overhead(root: Path, opts: Settings) -> dict:
     }
 
 
-def _pipeline_rounds(opts: Settings, config, pipeline, run_experiment, open_run_dir):
-    """The timed rounds of part 2: the Prefect pipeline (tracked) and run_experiment (untracked), interleaved."""
+def _pipeline_rounds(opts: Settings, micro: Path, overrides, config, cli, run_experiment, open_run_dir):
+    """The timed rounds of part 2: ``grpo run`` (the Prefect pipeline, tracked) and run_experiment (untracked),
+    interleaved."""
     import logging
 
     flow_runs_before = _count_flow_runs()
@@ -529,10 +538,12 @@ def _pipeline_rounds(opts: Settings, config, pipeline, run_experiment, open_run_
                 for lg in quiet_loggers:
                     lg.setLevel(logging.WARNING)
                 try:
-                    summary = pipeline.grpo_pipeline(config=cfg, run_name=f"prefect-{r}")
+                    with contextlib.redirect_stdout(sys.stderr):  # its console lines; stdout ends with the result
+                        cli.run(config=micro, set_=overrides(kind, r), run_name=f"prefect-{r}")
                 finally:
                     for lg, level in zip(quiet_loggers, levels):
                         lg.setLevel(level)
+                summary = json.loads((Path(cfg.output_dir) / f"prefect-{r}" / "summary.json").read_text())
             else:
                 summary = run_experiment(cfg, open_run_dir(cfg, f"direct-{r}", False), log=_quiet)
             times[kind].append(time.perf_counter() - t)

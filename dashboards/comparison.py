@@ -532,8 +532,8 @@ def build_dashboard(tracking_uri: str, experiment: str, sweep_run_id: str | None
                     importances: dict | None = None) -> Path:
     """Write the comparison dashboard of ``experiment`` (or of the sweep ``sweep_run_id`` in it) to ``out``.
 
-    ``importances`` (a sweep's :func:`flows.sweep.param_importances`) adds the importance panel; for a sweep it is
-    otherwise read from the parent run's ``sweep/importances.json`` when there is one.
+    ``importances`` (a sweep's :func:`grpo.pipeline.sweep.param_importances`) adds the importance panel; for a sweep
+    it is otherwise read from the parent run's ``sweep/importances.json`` when there is one.
 
     Raises :class:`DashboardError` (a ``ValueError``) for an unknown experiment (the message lists the existing
     ones), an unknown sweep run, no runs to compare, or an unreachable store. Returns ``out``.

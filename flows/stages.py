@@ -165,25 +165,6 @@ class PrefectProgress(TrainerCallback):
         self._update(state)
 
 
-class ReportIntermediate(TrainerCallback):
-    """A sweep trial's pruning hook (flows/sweep.py): at every logging step, ``report(step, value)`` gets the logged
-    ``metric``; when it answers True (prune), training stops at the end of this step as if it had reached
-    ``max_steps`` (the run then saves its model, evaluates and ends as usual). ``stopped_at`` is that step."""
-
-    def __init__(self, metric: str, report) -> None:
-        self.metric, self.report = metric, report
-        self.stopped_at: int | None = None
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        value = (logs or {}).get(self.metric)
-        if (self.stopped_at is None and state.is_world_process_zero and isinstance(value, (int, float))
-                and not isinstance(value, bool) and value == value and abs(value) != float("inf")):
-            if self.report(state.global_step, float(value)):
-                self.stopped_at = state.global_step
-                control.should_training_stop = True
-        return control
-
-
 @flow(name="grpo-eval", flow_run_name="eval-{tag}", retries=2, retry_delay_seconds=5)
 def eval_flow(config: ExperimentConfig, model_source: str, data_dir: str, out_file: str, tag: str) -> dict:
     """Greedy accuracy and pass@k of a model on the held-out split."""

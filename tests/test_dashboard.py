@@ -75,7 +75,7 @@ def make_experiment(uri: str) -> dict:
     exp_id = client.create_experiment(name)
     t0 = int(time.time() * 1000) - 3_600_000
     parent = client.create_run(exp_id, run_name="sweep-lr", tags={"grpo.sweep": "lr"}, start_time=t0)
-    # the sweep's own params (flows/sweep.py), none of the config's
+    # the sweep's own params (grpo/pipeline/sweep.py), none of the config's
     client.log_batch(parent.info.run_id, params=[Param("sweep.sampler", "grid"), Param("sweep.trials", "3")])
     children = {}
     for i, (run_name, (lr, families, status)) in enumerate(SWEEP_RUNS.items()):
@@ -240,7 +240,7 @@ def test_cli(tmp_path, mlflow_server, experiment):
 
 
 def test_sweep_dashboard_shows_optuna_importances_and_pruned_trials(tmp_path, mlflow_server):
-    """A sweep's importances (logged by flows/sweep.py as sweep/importances.json on the parent run) become a bar
+    """A sweep's importances (logged by grpo/pipeline/sweep.py as sweep/importances.json on the parent run) become a bar
     chart and a table; a trial the study pruned (tag grpo.sweep.pruned) shows the status PRUNED; too few trials give
     the sweep's note instead of a chart."""
     exp = make_experiment(mlflow_server.uri)

@@ -1,7 +1,10 @@
 """The package's layers and the direction of their imports (AST-based, like torchtune's import checks).
 
 - ``grpo.app`` (CLI, serve/deploy, ui, process supervision) is the only part of ``grpo`` that imports ``flows/``,
-  ``dashboards/``, Prefect or typer; ``flows/`` and ``dashboards/`` never import ``grpo.app``.
+  ``dashboards/``, Prefect or typer; ``flows/`` and ``dashboards/`` never import ``grpo.app``, and ``flows/`` never
+  imports ``dashboards/`` (the app builds a sweep's comparison dashboard).
+- ``benchmarks/`` use the library's public entry points (``grpo.*``), never ``flows/`` internals (nor ``dashboards/``
+  or the tests).
 - ``grpo.algo`` holds the algorithms on numpy/torch only: no TRL, transformers, accelerate, peft, datasets, MLflow
   or Prefect, and no other ``grpo`` module than itself and ``grpo.errors``: not the config either (not even for type
   hints), so the config can build its batch layout from ``grpo.algo`` without a cycle; algo takes plain numbers.
@@ -85,6 +88,27 @@ def test_flows_and_dashboards_never_import_the_app():
         return not under(imp, "grpo.app") and not (under(mod, "dashboards") and top(imp) in {"prefect", "flows"})
 
     assert violations(modules("flows", "dashboards"), allowed) == []
+
+
+def test_flows_never_import_dashboards():
+    """The sweep flow publishes its results page; the app (``grpo sweep``) builds the comparison dashboard."""
+    def allowed(mod: str, imp: str) -> bool:
+        return top(imp) != "dashboards"
+
+    mods = modules("flows")
+    assert {"flows.pipeline", "flows.sweep"} <= set(mods)
+    assert violations(mods, allowed) == []
+
+
+def test_benchmarks_use_the_library_not_flows():
+    """Benchmarks measure what users run through ``grpo.*`` (the app's ``grpo run`` for the Prefect pipeline), so a
+    flow's internals can change without a benchmark breaking."""
+    def allowed(mod: str, imp: str) -> bool:
+        return top(imp) not in {"flows", "dashboards", "tests"}
+
+    mods = modules("benchmarks")
+    assert {"benchmarks.tracking_overhead", "benchmarks.balance"} <= set(mods)
+    assert violations(mods, allowed) == []
 
 
 def test_algorithms_depend_on_numpy_and_torch_only():

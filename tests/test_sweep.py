@@ -185,7 +185,7 @@ def test_load_space_yaml_and_json(tmp_path, base):
 def test_study_names_storage_and_continuing_a_study(tmp_path, base):
     """The study a sweep continues: by name in the storage; a deployment's runs share <config.name>-<deployment>; a
     stored study's direction and metric can not change under it."""
-    from flows.sweep import StudyError, default_storage, default_study_name, open_study
+    from grpo.pipeline.sweep import StudyError, default_storage, default_study_name, open_study
 
     cfg = base.model_copy(update={"output_dir": str(tmp_path / "runs")})
     assert default_storage(cfg) == f"sqlite:///{tmp_path / 'runs' / 'optuna.db'}"
@@ -207,7 +207,7 @@ def test_study_names_storage_and_continuing_a_study(tmp_path, base):
 def test_param_importances_over_the_study_or_why_not():
     import optuna
 
-    from flows.sweep import param_importances
+    from grpo.pipeline.sweep import param_importances
 
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
     assert param_importances(study)["note"].startswith("importances need at least 2 completed trials and 2 params; "
@@ -262,7 +262,8 @@ def test_sweep_via_deployment_creates_linked_flow_runs(tmp_path, prefect_in_proc
     """Smoke path of ``use_deployment``: no worker serves the deployment here, so each trial's flow run is created
     (with the trial's config, run name and MLflow nesting tags) and stays scheduled until ``trial_timeout``."""
     from flows.pipeline import grpo_pipeline
-    from flows.sweep import SweepError, grpo_sweep
+    from flows.sweep import grpo_sweep
+    from grpo.pipeline.sweep import SweepError
 
     grpo_pipeline.to_deployment(name="sweep-smoke").apply()
     cfg = load_config(MICRO, micro_overrides(tmp_path, **{
@@ -289,6 +290,42 @@ def test_sweep_via_deployment_creates_linked_flow_runs(tmp_path, prefect_in_proc
         assert params["config"]["output_dir"] == str(tmp_path / "dep")
     assert {r["parameters"]["config"]["grpo"]["learning_rate"] for r in runs} == {1e-4, 3e-4}
     assert {r["state_type"] for r in runs} == {"CANCELLED"}  # given up on: no worker picks them up later
+
+
+PLAIN_SWEEP = """
+import json, sys
+from grpo.config import load_config
+from grpo.pipeline.sweep import InProcessTrials, run_sweep
+
+cfg = load_config(sys.argv[1], sys.argv[2:])
+result = run_sweep(cfg, {"grid": {"grpo.learning_rate": [1.0e-4, 3.0e-4]}}, InProcessTrials(), name="plain",
+                   metric="reward_last", max_concurrency=2)
+print(json.dumps({"result": result, "modules": sorted({m.split(".")[0] for m in sys.modules})}, default=str))
+"""
+
+
+@pytest.mark.integration
+def test_the_sweep_runs_without_prefect(tmp_path):
+    """#29: the sweep itself is Prefect-free: ``run_sweep`` with ``InProcessTrials()`` runs a 2-point grid (trials in
+    threads of one process, at most two at once) with the recipe's plain stages, and never imports Prefect or
+    ``flows/``."""
+    sets = micro_overrides(tmp_path / "runs", **{"grpo.max_steps": 2, "grpo.save_steps": 100,
+                                                 "evaluation.enabled": "false"})
+    proc = subprocess.run([sys.executable, "-c", PLAIN_SWEEP, str(MICRO), *sets], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not {"prefect", "flows", "dashboards"} & set(out["modules"]), out["modules"]
+    result = out["result"]
+    assert [(r["trial"], r["status"], r["grpo.learning_rate"]) for r in result["trials"]] == [
+        (0, "completed", 1e-4), (1, "completed", 3e-4)]
+    for r in result["trials"]:
+        summary = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
+        assert summary["steps"] == 2 and r["metric_value"] == summary["reward_last"]
+    assert result["best"]["metric_value"] == max(r["metric_value"] for r in result["trials"])
+    assert result["completed"] == 2 and result["mlflow_run_id"] is None  # tracking.backend none: no parent run
+    assert json.loads((tmp_path / "runs" / "plain" / "sweep.json").read_text())["trials"] == result["trials"]
+    assert result["dashboard"]["kind"] == "placeholder" and Path(result["dashboard"]["path"]).is_file()
 
 
 def test_the_shipped_example_spaces_validate():
@@ -354,7 +391,9 @@ def test_tpe_sweep_prunes_and_a_scheduled_run_continues_the_study(tmp_path, pref
     same stored study."""
     import optuna
 
-    from flows.sweep import default_study_name, grpo_sweep
+    from flows.sweep import grpo_sweep
+    from grpo.app.sweep_dashboard import add_comparison_dashboard
+    from grpo.pipeline.sweep import default_study_name
 
     cfg = load_config(MICRO, micro_overrides(tmp_path, **{
         "grpo.max_steps": 4, "grpo.logging_steps": 1, "grpo.save_steps": 100, "evaluation.enabled": "false",
@@ -366,6 +405,7 @@ def test_tpe_sweep_prunes_and_a_scheduled_run_continues_the_study(tmp_path, pref
     assert nightly["study_name"] == f"{cfg.name}-nightly"  # what a run of grpo-sweep/nightly defaults to
 
     first = grpo_sweep(config=cfg, sweep_name="night1", **nightly)
+    add_comparison_dashboard(cfg, first)  # what `grpo sweep` does after the flow
     print(json.dumps([{k: r[k] for k in ("trial", "status", "grpo.temperature", "metric_value", "pruned_at_step")}
                       for r in first["trials"]], indent=1))
     assert [r["trial"] for r in first["trials"]] == list(range(6))
@@ -415,7 +455,7 @@ def test_metric_from_mlflow_reads_either_eval_naming(mlflow_server):
     eval/accuracy at step 0 and the last step as from one logged with the earlier single-point names."""
     from mlflow.entities import Metric
 
-    from flows.sweep import _metric_value
+    from grpo.pipeline.sweep import _metric_value
 
     client = MlflowClient(mlflow_server.uri)
     exp = client.create_experiment(f"metric-names-{time.time_ns()}")

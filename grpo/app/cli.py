@@ -254,15 +254,23 @@ def sweep(
         pruner = checked.pruner_spec["type"] if checked.pruner_spec else "no"
         typer.echo(f"sweep: {checked.n_trials} trials ({checked.sampler_kind} sampler, {pruner} pruner), "
                    f"at most {max_concurrency} at once")
-        from flows.sweep import SweepError, grpo_sweep
+        from flows.sweep import grpo_sweep
+        from grpo.app.sweep_dashboard import add_comparison_dashboard
         from grpo.console import quiet_library_noise
+        from grpo.pipeline.sweep import SweepError
 
         quiet_library_noise()  # also for what the sweep does itself: best model, dashboard (artifact downloads)
         try:
             with _stoppable(f"finished trials are in {Path(cfg.output_dir)}"):
-                result = grpo_sweep(config=cfg, space=space_data, max_concurrency=max_concurrency, metric=metric,
-                                    direction=direction, sweep_name=name, use_deployment=deployment,
-                                    study_name=study, storage=storage)
+                try:
+                    result = grpo_sweep(config=cfg, space=space_data, max_concurrency=max_concurrency, metric=metric,
+                                        direction=direction, sweep_name=name, use_deployment=deployment,
+                                        study_name=study, storage=storage)
+                except SweepError as err:  # every trial failed: their runs are compared all the same
+                    if err.result is not None:
+                        add_comparison_dashboard(cfg, err.result)
+                    raise
+                add_comparison_dashboard(cfg, result)
         except SweepError as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(code=1) from None

@@ -118,8 +118,8 @@ def eval_stage(cfg: ExperimentConfig, policy: Policy, data_dir: Path, out_file: 
 
 
 # Extra trainer callbacks for one run directory, added by whoever starts that run in this process: a sweep's pruning
-# hook (flows/sweep.py). Keyed by the run directory, so they reach the trial's training through the Prefect subflows
-# and threads between the sweep and the train stage, whose signatures stay as they are.
+# hook (grpo/pipeline/sweep.py). Keyed by the run directory, so they reach the trial's training through the Prefect
+# subflows and threads between the sweep and the train stage, whose signatures stay as they are.
 _RUN_CALLBACKS: dict[str, list[Any]] = {}
 
 
