@@ -234,3 +234,46 @@ def test_chat_protocol_passes_trls_own_arguments(tmp_path):
     GRPOTrainer._environment_trainer_kwargs(object.__new__(GRPOTrainer), cfg, kwargs)
     assert kwargs["tools"] == [get_tool("calculator")] and "rollout_func" not in kwargs
     assert kwargs["environment_factory"]().k == 3
+
+
+def test_importance_weights_and_their_statistics_leave_environment_tokens_out(guess):
+    """The off-policy IS correction (async.vllm_importance_sampling_*): what the trainer's log-probs say about
+    environment tokens changes neither the weights nor the logged ratio (sequence mode sums over the sequence)."""
+    trainer, _, batch = guess
+    env = (batch["completion_mask"] * (1 - batch["tool_mask"])).bool()
+    experiment = trainer.experiment
+    a = experiment.async_.model_copy(update={"vllm_importance_sampling_correction": True,
+                                             "vllm_importance_sampling_mode": "sequence_truncate",
+                                             "vllm_importance_sampling_cap": 3.0})
+    trainer.experiment = experiment.model_copy(update={"async_": a})
+    old = batch["sampling_per_token_logps"] - 0.01 * batch["completion_mask"]
+
+    def weighted(old_logps):
+        b = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        b["advantages"] = torch.ones(b["completion_ids"].shape[0])
+        trainer._apply_importance_weights(b, old_logps, torch.zeros(b["completion_ids"].shape[0], dtype=torch.bool))
+        return b["advantages"], trainer._metrics["train"]["sampling/importance_sampling_ratio/max"][-1]
+
+    try:
+        weights, ratio_max = weighted(old)
+        changed = old.clone()
+        changed[env] = -7.0
+        assert torch.equal(weighted(changed)[0], weights) and weighted(changed)[1] == ratio_max
+    finally:
+        trainer.experiment = experiment
+
+
+def test_a_replayed_episode_group_keeps_its_environment_mask():
+    """The replay buffer stores rollouts: a replayed group's environment tokens stay out of the loss."""
+    from grpo.algo.replay import place_group
+
+    batch = {"prompt_ids": torch.ones(4, 2, dtype=torch.long), "prompt_mask": torch.ones(4, 2, dtype=torch.long),
+             "completion_ids": torch.ones(4, 3, dtype=torch.long), "completion_mask": torch.ones(4, 3, dtype=torch.long),
+             "tool_mask": torch.ones(4, 3, dtype=torch.long)}
+    group = {"prompt_ids": torch.ones(2, 2, dtype=torch.long), "prompt_mask": torch.ones(2, 2, dtype=torch.long),
+             "completion_ids": torch.full((2, 5), 7), "completion_mask": torch.ones(2, 5, dtype=torch.long),
+             "tool_mask": torch.tensor([[1, 0, 0, 1, 1], [1, 1, 0, 1, 1]])}
+    place_group(batch, slice(2, 4), group, pad_token_id=0)
+    assert batch["tool_mask"].shape == batch["completion_ids"].shape == (4, 5)
+    assert torch.equal(batch["tool_mask"][2:], group["tool_mask"])
+    assert torch.equal(batch["tool_mask"][:2], torch.ones(2, 5, dtype=torch.long))  # widened with TRL's padding 1
