@@ -277,3 +277,61 @@ def test_a_replayed_episode_group_keeps_its_environment_mask():
     assert batch["tool_mask"].shape == batch["completion_ids"].shape == (4, 5)
     assert torch.equal(batch["tool_mask"][2:], group["tool_mask"])
     assert torch.equal(batch["tool_mask"][:2], torch.ones(2, 5, dtype=torch.long))  # widened with TRL's padding 1
+
+
+ECHO_ENV = '''
+from grpo.environments import StepResult, register_environment
+
+
+@register_environment("cli_echo")
+class Echo:
+    stop_strings = ("]",)
+
+    def reset(self, **row):
+        return None
+
+    def step(self, action):
+        return StepResult("ok|", True, 1.0)
+'''
+
+
+@pytest.mark.parametrize("command", ["validate", "plan", "run", "sweep"])
+def test_env_module_registers_environments_for_the_command_and_its_children(tmp_path, command):
+    """``--env-module FILE`` as ``--reward-module``: without it the name is refused (one line, exit 2); with it the
+    config loads, and processes started from the CLI find it through GRPO_ENV_MODULES."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "my_envs.py").write_text(ECHO_ENV)
+    base = [sys.executable, "-m", "grpo.app.cli", command, "--config", str(MICRO), "--set",
+            "environment.name=cli_echo", "--set", f"output_dir={tmp_path / 'runs'}"]
+    if command == "sweep":
+        (tmp_path / "space.yaml").write_text("grpo.learning_rate: {type: float, low: 0.001, high: 0.01}\n")
+        base += ["--space", str(tmp_path / "space.yaml")]
+    env = {k: v for k, v in os.environ.items() if k != "GRPO_ENV_MODULES"}
+    refused = subprocess.run(base, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 2 and "unknown environment 'cli_echo'" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    if command != "validate":
+        return
+    ok = subprocess.run([*base, "--env-module", "my_envs.py"], cwd=tmp_path, capture_output=True, text=True,
+                        timeout=120, env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert "name: cli_echo" in ok.stdout
+
+
+def test_env_modules_reach_child_processes(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from grpo.app.cli import _load
+
+    (tmp_path / "child_envs.py").write_text(ECHO_ENV.replace("cli_echo", "child_echo"))
+    monkeypatch.delenv("GRPO_ENV_MODULES", raising=False)
+    cfg = _load(MICRO, ["environment.name=child_echo", f"output_dir={tmp_path}"], None, [tmp_path / "child_envs.py"])
+    assert cfg.environment.name == "child_echo"
+    child = subprocess.run([sys.executable, "-c", "from grpo.environments import make_environment; "
+                            "print(type(make_environment('child_echo')).__name__)"], capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 0 and child.stdout.strip() == "Echo", child.stderr
