@@ -12,7 +12,7 @@ import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from grpo.config.trl_and_rewards import check_environment_names, check_reward_names
+from grpo.config.trl_and_rewards import check_environment_names, check_reward_names, environment_kind
 
 if TYPE_CHECKING:
     from grpo.config.sections import ExperimentConfig
@@ -258,6 +258,29 @@ def chat_protocol_needs_a_chat_model(cfg: ExperimentConfig) -> None:
                          "tokenizer has no chat template: use environment.protocol: text")
 
 
+def environment_tools_need_a_tool_environment(cfg: ExperimentConfig) -> None:
+    """Protocol text: ``environment.tools`` join a ToolEnvironment's own tools (its ``[name(args)]`` call syntax);
+    another environment has no way to call them."""
+    env = cfg.environment
+    if not (env.enabled and env.protocol == "text" and env.tools):
+        return
+    if not environment_kind(env.name)[0]:
+        raise ValueError(f"environment.tools: {env.name!r} is not a ToolEnvironment, so its episodes cannot call "
+                         f"tools; leave environment.tools empty or choose an environment with tools (calculator)")
+
+
+def chat_protocol_takes_trl_environments(cfg: ExperimentConfig) -> None:
+    """Protocol chat hands the environment to TRL's ``environment_factory``, whose public methods become the model's
+    tools; a text-protocol environment (``step(action)``) would expose ``step`` as a tool and never be stepped."""
+    env = cfg.environment
+    if not (env.enabled and env.protocol == "chat"):
+        return
+    if environment_kind(env.name)[1]:
+        raise ValueError(f"environment.protocol 'chat': {env.name!r} is a text-protocol environment (step(action)); "
+                         f"TRL's tool loop calls an environment's public methods as tools: use environment.protocol: "
+                         f"text, or an environment written for TRL's environment_factory")
+
+
 # ---------------------------------------------------------------- model and prompts
 
 
@@ -389,6 +412,8 @@ RULES: tuple[Callable[[ExperimentConfig], None], ...] = (
     ranks_generate_whole_groups,
     environment_is_registered,
     chat_protocol_needs_a_chat_model,
+    environment_tools_need_a_tool_environment,
+    chat_protocol_takes_trl_environments,
 )
 
 
