@@ -328,7 +328,7 @@ def test_env_modules_reach_child_processes(tmp_path, monkeypatch):
     from grpo.app.cli import _load
 
     (tmp_path / "child_envs.py").write_text(ECHO_ENV.replace("cli_echo", "child_echo"))
-    monkeypatch.delenv("GRPO_ENV_MODULES", raising=False)
+    monkeypatch.setenv("GRPO_ENV_MODULES", "")  # restored after the test: the CLI loader appends to it
     cfg = _load(MICRO, ["environment.name=child_echo", f"output_dir={tmp_path}"], None, [tmp_path / "child_envs.py"])
     assert cfg.environment.name == "child_echo"
     child = subprocess.run([sys.executable, "-c", "from grpo.environments import make_environment; "
