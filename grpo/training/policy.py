@@ -111,6 +111,13 @@ def _load_policy(cfg: ExperimentConfig, data: DatasetDict, log=print) -> Policy:
 def _tiny_policy(cfg: ExperimentConfig, data: DatasetDict, log) -> Policy:
     start = time.perf_counter()
     alphabet = alphabet_of(data)
+    env = cfg.environment
+    if env.enabled:  # the environments' observations and syntax must be encodable, and writable by the policy
+        from grpo.environments import environment_alphabet
+
+        names = {env.name, *(n for split in data.values() if "environment" in split.column_names
+                             for n in split["environment"] if n)}
+        alphabet = "".join(sorted(set(alphabet) | set(environment_alphabet(sorted(names), env.tools))))
     path = cache_root() / f"tiny-{tiny_cache_key(cfg, alphabet)}"
     if (path / "done.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(path)
