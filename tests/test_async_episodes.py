@@ -165,7 +165,89 @@ def test_environment_faults_cost_their_episode_a_nan_reward_and_the_generator_se
     assert (eps[0].reward, eps[0].error, eps[0].stop_reason) == (1.0, None, "done")
     for ep, why in zip(eps[1:], ("environment step: RuntimeError: the environment broke",
                                  "environment step: timed out after 3 s",
-                                 "environment reset: RuntimeError: building environment 'unbuildable': ValueError: "
+                                 "environment reset: RuntimeError: building the environment failed: ValueError: "
                                  "no such service")):
         assert math.isnan(ep.reward) and ep.stop_reason == "error" and ep.error == why, (ep.error, why)
     assert (again[0].reward, again[0].error, again[0].stop_reason) == (1.0, None, "done")
+
+
+# ---------------------------------------------------------------- the trainer's side: AsyncRollouts._episodes_for
+
+ASYNC = {"async.use_data_producer": "true", "async.async_prefetch": "true", "async.generator_threads": 1}
+
+
+def batch_of(trainer, first: int) -> tuple[list[list[int]], list[dict]]:
+    rows = [dict(trainer.train_dataset[i]) for i in range(first, first + 2) for _ in range(4)]
+    return trainer._tokenize_prompts([r["prompt"] for r in rows])[0], rows
+
+
+def model_logprobs(policy, ep) -> list[float]:
+    """The policy's log-prob of each completion token, one forward over prompt + completion (temperature 1)."""
+    ids = torch.tensor([ep.prompt_ids + ep.completion_ids])
+    with torch.no_grad():
+        logps = torch.log_softmax(policy(ids).logits[0, :-1].float(), -1)
+    return logps[len(ep.prompt_ids) - 1:].gather(-1, ids[0, len(ep.prompt_ids):, None]).squeeze(-1).tolist()
+
+
+def test_sync_and_async_trainers_sample_identical_episodes_for_the_same_seed(tmp_path):
+    """The same policy, seed and batch: the sync trainer's in-process episodes and the async trainer's (round 0,
+    from the generator process) have the same token ids, environment masks, turns and rewards, and log-probs to
+    float rounding; the async trainer's round 1 was submitted ahead with its rows."""
+    from tests.test_env_training import make_trainer
+
+    sync = make_trainer(tmp_path / "sync")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # the generator's (async.generator_threads)
+        torch.manual_seed(sync.args.seed)
+        ids, rows = batch_of(sync, 0)
+        expected = sync._episodes_for(ids, rows)
+    finally:
+        torch.set_num_threads(threads)
+    trainer = make_trainer(tmp_path / "async", **ASYNC)
+    try:
+        got = trainer._episodes_for(ids, rows)
+        assert sorted(trainer._submitted) == [1] and trainer._producer._pending[1][1] is not None
+    finally:
+        trainer.close_producer()
+    assert any(ep.turns > 1 for ep in got) and any(ep.env_tokens for ep in got)  # the loop really ran turns
+    # the engine names each episode's environment; the sync trainer does so later (in _rollout_episodes)
+    assert [replace(ep, logprobs=None, environment=None) for ep in got] == [replace(ep, logprobs=None)
+                                                                           for ep in expected]
+    for ep, ref in zip(got, expected):
+        assert ep.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+
+
+def test_a_stale_round_of_episodes_is_generated_again_whole_with_current_weights(tmp_path):
+    """max_staleness 0 (set past the load-time rule, as in tests/test_async.py): round 1, prefetched at step 0 with
+    the first weights, is one version old at step 1, so it is dropped and every episode is generated again with the
+    current weights: every model token's recorded log-prob is the new policy's (none is the old policy's, which
+    differs), across all turns."""
+    from tests.test_env_training import make_trainer
+
+    trainer = make_trainer(tmp_path, **ASYNC, **{"grpo.temperature": 1.0})
+    trainer.experiment.async_.max_staleness = 0
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    try:
+        trainer._episodes_for(*batch_of(trainer, 0))
+        ids, rows = trainer._producer._pending[1]  # what was submitted ahead for round 1
+        old = {k: v.clone() for k, v in policy.state_dict().items()}
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for param in policy.parameters():
+                param.add_(0.3 * torch.randn_like(param))
+        trainer.state.global_step = 1
+        episodes = trainer._episodes_for(ids, rows)
+    finally:
+        trainer.close_producer()
+    assert trainer._metrics["train"]["async/dropped_stale"] == [0.0, 1.0]
+    assert trainer._metrics["train"]["async/staleness_max"] == [0.0, 0.0]
+    assert any(ep.turns > 1 for ep in episodes)
+    policy.eval()
+    new = [model_logprobs(policy, ep) for ep in episodes]
+    policy.load_state_dict(old)
+    before = [model_logprobs(policy, ep) for ep in episodes]
+    for ep, now, then in zip(episodes, new, before):
+        model = [j for j, m in enumerate(ep.env_mask) if m]
+        assert [ep.logprobs[j] for j in model] == pytest.approx([now[j] for j in model], abs=1e-4)
+        assert [ep.logprobs[j] for j in model] != pytest.approx([then[j] for j in model], abs=1e-4)

@@ -41,12 +41,14 @@ class Rollout:
 class EpisodeSettings:
     """What an engine needs to run a round of episodes (``environment`` section of the config): the environment's
     registered ``name`` and ``kwargs`` (a row's ``environment`` column names another, built with its defaults),
+    the ``tools`` a tool environment gets besides its own,
     the turn and token budgets, the step timeout and the concurrent environment calls. ``modules``: files
     registering environments and tools (``--env-module``, ``GRPO_ENV_MODULES``) the engine's process imports before
     building any, as reward workers import ``--reward-module`` files."""
 
     name: str
     kwargs: Mapping[str, Any] = field(default_factory=dict)
+    tools: tuple[str, ...] = ()
     max_turns: int = 4
     max_completion_length: int = 32
     step_timeout: float | None = 60.0
@@ -67,40 +69,37 @@ def environment_module_files() -> tuple[str, ...]:
     return tuple(dict.fromkeys(os.path.abspath(f) for f in files if f))
 
 
-class _Unbuildable:
-    """Stands in for an environment whose factory raised: its episode fails at ``reset`` with that error (NaN
-    reward), as any other environment fault, and the round goes on."""
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-    def reset(self, **row: Any) -> None:
-        raise RuntimeError(self.error)
-
-
 def build_environments(rows: Sequence[Mapping[str, Any]], settings: EpisodeSettings) -> list[Any]:
-    """One fresh environment per row: the one its ``environment`` column names, else ``settings.name``."""
-    from grpo.environments import make_environment
+    """One fresh environment per row as the sync trainer builds them (:mod:`grpo.training.episodes`): the one its
+    ``environment`` column names, else ``settings.name`` with ``settings.kwargs``; one whose factory raises fails
+    its episode at ``reset`` (NaN reward) and the round goes on."""
+    from grpo.training.episodes import ROUTING_COLUMN, _Unbuildable, build_environment
 
     envs = []
     for row in rows:
-        name = row.get("environment") or settings.name
+        name = row.get(ROUTING_COLUMN) or settings.name
         try:
-            envs.append(make_environment(name, **(dict(settings.kwargs) if name == settings.name else {})))
+            envs.append(build_environment(name, dict(settings.kwargs) if name == settings.name else {},
+                                          list(settings.tools)))
         except Exception as err:  # noqa: BLE001 - the user's factory; its episode reports it
-            envs.append(_Unbuildable(f"building environment {name!r}: {type(err).__name__}: {err}"))
+            envs.append(_Unbuildable(err))
     return envs
 
 
 def run_episode_round(prompt_ids: Sequence[Sequence[int]], rows: Sequence[Mapping[str, Any]], generate,
                       tokenizer, settings: EpisodeSettings, eos_token_ids: Sequence[int] | None = None) -> list:
-    """A round of episodes through THE episode runner with an engine's own ``generate``."""
+    """A round of episodes through THE episode runner with an engine's own ``generate``; each episode's
+    ``environment`` names the environment it ran in."""
     from grpo.environments.episodes import run_episodes
+    from grpo.training.episodes import ROUTING_COLUMN
 
-    return run_episodes(prompt_ids, build_environments(rows, settings), generate, tokenizer, rows=rows,
+    episodes = run_episodes(prompt_ids, build_environments(rows, settings), generate, tokenizer, rows=rows,
                         max_turns=settings.max_turns, max_completion_length=settings.max_completion_length,
                         step_timeout=settings.step_timeout, max_workers=settings.max_concurrency,
                         eos_token_ids=eos_token_ids)
+    for ep, row in zip(episodes, rows):
+        ep.environment = row.get(ROUTING_COLUMN) or settings.name
+    return episodes
 
 
 def _serialize_state(state_dict: dict) -> bytes:

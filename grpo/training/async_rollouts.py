@@ -37,6 +37,7 @@ from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 
 from grpo.training.async_producer import ADAPTER_FILE, EpisodeSettings, Rollout, base_weights
+from grpo.training.episodes import reset_row
 
 
 class AsyncRollouts:
@@ -71,7 +72,7 @@ class AsyncRollouts:
         env = getattr(self.experiment, "environment", None)
         if env is None or not env.enabled or env.protocol != "text":
             return None
-        return EpisodeSettings(name=env.name, kwargs=dict(env.kwargs), max_turns=env.max_turns,
+        return EpisodeSettings(name=env.name, kwargs=dict(env.kwargs), tools=tuple(env.tools), max_turns=env.max_turns,
                                max_completion_length=self.max_completion_length, step_timeout=env.step_timeout,
                                max_concurrency=env.max_concurrency, modules=environment_module_files())
 
@@ -118,10 +119,10 @@ class AsyncRollouts:
         # One read for the round (datasets answers a list of indices at once): row by row it cost ~9 ms of a 0.10 s
         # async step on the tiny preset (256 rows, each a separate Arrow lookup and formatting)
         batch = self.train_dataset[list(idx)]
-        rows = None
+        episode_rows = None  # not "rows": the sampler's generator above reads that name lazily
         if self._episode_settings is not None:
-            rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-        return self._tokenize_prompts(batch["prompt"])[0], rows
+            episode_rows = [reset_row(dict(zip(batch, values))) for values in zip(*batch.values())]
+        return self._tokenize_prompts(batch["prompt"])[0], episode_rows
 
     def _start_producer(self) -> None:
         """Start the rollout engine. Called at construction, so its start-up (imports, model load, the server
@@ -204,7 +205,7 @@ class AsyncRollouts:
         """The current round from the engine: the prefetched one if its rows are these and it is fresh enough, else
         generated now with current weights; then the next rounds submitted ahead. ``rows``: a round of episodes."""
         a = self.experiment.async_
-        rows = None if rows is None else [dict(r) for r in rows]
+        rows = None if rows is None else [reset_row(r) for r in rows]
         if self._producer is None:
             self._start_producer()
         producer = self._producer
