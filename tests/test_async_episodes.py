@@ -251,3 +251,20 @@ def test_a_stale_round_of_episodes_is_generated_again_whole_with_current_weights
         model = [j for j, m in enumerate(ep.env_mask) if m]
         assert [ep.logprobs[j] for j in model] == pytest.approx([now[j] for j in model], abs=1e-4)
         assert [ep.logprobs[j] for j in model] != pytest.approx([then[j] for j in model], abs=1e-4)
+
+
+def test_async_training_on_an_environment_trains_on_the_engines_episodes(tmp_path):
+    """A whole async run on guess_digit (prefetch depth 1, max_staleness 1): every step's round came from the
+    generator process (staleness 1 after the first), nothing was dropped, and the episode metrics reach the log."""
+    from tests.test_async import async_run
+
+    _, summary, rows = async_run(tmp_path, "env-async", **{
+        "environment.name": "guess_digit", "grpo.reward_funcs": "[env_reward]", "grpo.max_steps": 4,
+        "async.max_staleness": 1, "async.generator_threads": 1, "model.warm_start.steps": 0,
+        "grpo.max_completion_length": 10, "grpo.per_device_train_batch_size": 8})
+    assert summary["steps"] == 4
+    staleness = [r["async/staleness_max"] for r in rows if "async/staleness_max" in r]
+    assert staleness == [0.0, 1.0, 1.0, 1.0], staleness
+    assert sum(r.get("async/dropped_stale", 0) for r in rows) == 0
+    assert all("env/turns/mean" in r for r in rows if "async/staleness_max" in r)
+    assert max(r["env/turns/max"] for r in rows if "env/turns/max" in r) > 1
