@@ -15,6 +15,11 @@ What it does:
    ``grpo.vllm_mode: server``), weights pushed every step; ``async`` -- the same plus ``async.use_data_producer``,
    ``async_prefetch``, ``prefetch_depth: 1``, ``max_staleness: 1``, ``vllm_sync_interval: 1`` and the importance-sampling
    correction: the vLLM server engine (grpo/training/rollout_engines.py) generates round r+1 while round r trains.
+   With ``--environment NAME`` (e.g. ``guess_digit``, ``calculator``) both runs are rounds of multi-turn episodes in
+   that registered environment (``environment.name``, reward ``env_reward``): the sync run's episodes through TRL's
+   ``rollout_func``, the async run's from the vLLM server engine, which runs the episode runner over TRL's client
+   (one ``/v1/completions`` request per turn for every live episode, the environment's stop strings as vLLM's
+   ``stop``), each round with one policy version.
 3. Prints ``{"ratio_async_over_sync": ..., "sync_step_s": ..., "async_step_s": ..., ...}``: median steady-state step
    times (the first 3 steps skipped), the async run's staleness, dropped rounds and IS-ratio range (a broken weight
    sync shows as a ratio far from 1), and where the logs are.
@@ -24,6 +29,7 @@ Examples::
     python -m benchmarks.gpu_smoke                                  # 2 GPUs: server on 1, trainer on 0, qwen preset
     python -m benchmarks.gpu_smoke --steps 20 --set grpo.max_completion_length=256
     python -m benchmarks.gpu_smoke --server http://10.0.0.5:8000     # a server you started yourself
+    python -m benchmarks.gpu_smoke --preset tiny --environment guess_digit   # an environment round through vLLM
 
 ``--preset qwen2.5-0.5b-gsm8k`` (default) downloads Qwen2.5-0.5B-Instruct and GSM8K. ``--preset tiny`` serves the
 locally built tiny model (character tokenizer: pass ``--server-arg=--skip-tokenizer-init`` if vLLM cannot load it).
@@ -62,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--server-timeout", type=float, default=600, help="seconds to wait for the server to come up")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for trl vllm-serve (repeat)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for both runs")
+    p.add_argument("--environment", metavar="NAME",
+                   help="run both variants as multi-turn episodes in this registered environment (grpo environments)")
     p.add_argument("--out", help="folder for runs and server logs (default: a new temporary folder)")
     p.add_argument("--variant", choices=("sync", "async"), help=argparse.SUPPRESS)  # internal: one training run
     return p
@@ -94,10 +102,12 @@ def refusal(args) -> str | None:
 
 
 def overrides(args, out: Path, base_url: str) -> list[str]:
+    env = ([f"environment.name={args.environment}", "grpo.reward_funcs=[env_reward]"]
+           if args.environment else [])
     return [f"output_dir={out / 'runs'}", f"grpo.max_steps={args.steps}", "grpo.logging_steps=1",
             "tracking.backend=none", "evaluation.enabled=false", f"grpo.save_steps={args.steps * 10}",
             "grpo.use_vllm=true", "grpo.vllm_mode=server", f"grpo.extra.vllm_server_base_url={base_url}",
-            *args.set]
+            *env, *args.set]
 
 
 def run_variant(args) -> dict:
@@ -122,7 +132,9 @@ def run_variant(args) -> dict:
             "dropped_stale": sum(pick("async/dropped_stale")),
             "is_ratio_min": min(pick("sampling/importance_sampling_ratio/min"), default=None),
             "is_ratio_max": max(pick("sampling/importance_sampling_ratio/max"), default=None),
-            "reward_last": (pick("reward") or [None])[-1], "run_dir": str(run.path)}
+            "reward_last": (pick("reward") or [None])[-1], "run_dir": str(run.path),
+            "env_turns_mean": statistics.mean(pick("env/turns/mean")) if pick("env/turns/mean") else None,
+            "env_errors": sum(pick("env/errors")) if pick("env/errors") else None}
 
 
 def serve_model(args, out: Path) -> str:
@@ -184,6 +196,7 @@ def compare(args) -> dict:
             wait_healthy(url, proc, args.server_timeout)
             cmd = [sys.executable, "-m", "benchmarks.gpu_smoke", "--variant", variant, "--server", url,
                    "--preset", args.preset, "--steps", str(args.steps), "--out", str(out),
+                   *(["--environment", args.environment] if args.environment else []),
                    *[f"--set={s}" for s in args.set]]
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(args.trainer_gpu)}
             done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
@@ -196,7 +209,9 @@ def compare(args) -> dict:
     sync, asyn = results["sync"], results["async"]
     ratio = asyn["step_s"] / sync["step_s"] if sync["step_s"] and asyn["step_s"] else None
     return {"preset": args.preset, "steps": args.steps, "ratio_async_over_sync": ratio,
-            "sync_step_s": sync["step_s"], "async_step_s": asyn["step_s"],
+            "sync_step_s": sync["step_s"], "async_step_s": asyn["step_s"], "environment": args.environment,
+            "env_turns_mean": {"sync": sync["env_turns_mean"], "async": asyn["env_turns_mean"]},
+            "env_errors": {"sync": sync["env_errors"], "async": asyn["env_errors"]},
             "sync_wall_s": sync["wall_s"], "async_wall_s": asyn["wall_s"],
             "async_staleness_max": asyn["staleness_max"], "async_dropped_stale": asyn["dropped_stale"],
             "async_is_ratio_min": asyn["is_ratio_min"], "async_is_ratio_max": asyn["is_ratio_max"],

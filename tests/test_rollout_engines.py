@@ -305,7 +305,7 @@ def test_gpu_smoke_parses_its_arguments_and_refuses_cleanly_without_a_gpu():
     stops at once with exit status 2 and one line saying what is missing (it never starts a run here)."""
     usage = gpu_smoke("--help")
     assert usage.returncode == 0
-    for option in ("--server", "--preset", "--steps", "--gpu", "--port"):
+    for option in ("--server", "--preset", "--steps", "--gpu", "--port", "--environment"):
         assert option in usage.stdout
     assert gpu_smoke("--preset", "nope").returncode == 2
     refused = gpu_smoke("--steps", "4")

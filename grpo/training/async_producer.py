@@ -20,7 +20,9 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -29,8 +31,75 @@ class Rollout:
     version: int  # optimizer step of the weights that generated it
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
-    logprobs: list[list[float]]  # sampling log-probs per completion token
+    logprobs: list[list[float]] | None  # sampling log-probs per completion token
     generate_seconds: float
+    episodes: list | None = None  # a round of episodes: grpo.environments.episodes.Episode, one per row
+    rows: list[dict] | None = None  # the rows the episodes were reset with
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """What an engine needs to run a round of episodes (``environment`` section of the config): the environment's
+    registered ``name`` and ``kwargs`` (a row's ``environment`` column names another, built with its defaults),
+    the ``tools`` a tool environment gets besides its own,
+    the turn and token budgets, the step timeout and the concurrent environment calls. ``modules``: files
+    registering environments and tools (``--env-module``, ``GRPO_ENV_MODULES``) the engine's process imports before
+    building any, as reward workers import ``--reward-module`` files."""
+
+    name: str
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    tools: tuple[str, ...] = ()
+    max_turns: int = 4
+    max_completion_length: int = 32
+    step_timeout: float | None = 60.0
+    max_concurrency: int = 16
+    modules: tuple[str, ...] = ()
+
+
+def environment_module_files() -> tuple[str, ...]:
+    """The environment files this process imported or would import (``--env-module`` files already loaded, then
+    ``GRPO_ENV_MODULES``): a forkserver child has the forkserver's environment and modules, not the trainer's."""
+    import sys
+
+    from grpo.environments import MODULES_ENV
+
+    files = [getattr(m, "__file__", None) for name, m in list(sys.modules.items())
+             if name.startswith("grpo_user_environments_")]
+    files += os.environ.get(MODULES_ENV, "").split(os.pathsep)
+    return tuple(dict.fromkeys(os.path.abspath(f) for f in files if f))
+
+
+def build_environments(rows: Sequence[Mapping[str, Any]], settings: EpisodeSettings) -> list[Any]:
+    """One fresh environment per row as the sync trainer builds them (:mod:`grpo.training.episodes`): the one its
+    ``environment`` column names, else ``settings.name`` with ``settings.kwargs``; one whose factory raises fails
+    its episode at ``reset`` (NaN reward) and the round goes on."""
+    from grpo.training.episodes import ROUTING_COLUMN, _Unbuildable, build_environment
+
+    envs = []
+    for row in rows:
+        name = row.get(ROUTING_COLUMN) or settings.name
+        try:
+            envs.append(build_environment(name, dict(settings.kwargs) if name == settings.name else {},
+                                          list(settings.tools)))
+        except Exception as err:  # noqa: BLE001 - the user's factory; its episode reports it
+            envs.append(_Unbuildable(err))
+    return envs
+
+
+def run_episode_round(prompt_ids: Sequence[Sequence[int]], rows: Sequence[Mapping[str, Any]], generate,
+                      tokenizer, settings: EpisodeSettings, eos_token_ids: Sequence[int] | None = None) -> list:
+    """A round of episodes through THE episode runner with an engine's own ``generate``; each episode's
+    ``environment`` names the environment it ran in."""
+    from grpo.environments.episodes import run_episodes
+    from grpo.training.episodes import ROUTING_COLUMN
+
+    episodes = run_episodes(prompt_ids, build_environments(rows, settings), generate, tokenizer, rows=rows,
+                        max_turns=settings.max_turns, max_completion_length=settings.max_completion_length,
+                        step_timeout=settings.step_timeout, max_workers=settings.max_concurrency,
+                        eos_token_ids=eos_token_ids)
+    for ep, row in zip(episodes, rows):
+        ep.environment = row.get(ROUTING_COLUMN) or settings.name
+    return episodes
 
 
 def _serialize_state(state_dict: dict) -> bytes:
@@ -102,6 +171,19 @@ def sample_round(model, prompt_ids: list[list[int]], gen: dict) -> tuple[list[li
     return completions, completion_logps
 
 
+def sampling_generate(model, gen: dict):
+    """The episode runner's ``generate`` (:data:`grpo.environments.episodes.GenerateFn`) over :func:`sample_round`:
+    every live episode of a turn sampled in one batch, at most the turn's token budget; the runner cuts each turn at
+    its stop strings itself, so the tokens (and the RNG stream they draw) do not depend on a backend's stop-string
+    support."""
+
+    def generate(seqs: list[list[int]], max_new_tokens: int, stop_strings: tuple[str, ...]):
+        ids, logprobs = sample_round(model, seqs, {**gen, "max_new_tokens": max_new_tokens})
+        return list(zip(ids, logprobs))
+
+    return generate
+
+
 # Test-only hook, no config field: seconds the generator sleeps before each round, so tests can run the same config
 # with a slow generator and check that nothing but timing changes (the schedule below is fixed by the config). Read
 # by the trainer process and passed to the generator: a forkserver child has the forkserver's environment, not the
@@ -109,12 +191,19 @@ def sample_round(model, prompt_ids: list[list[int]], gen: dict) -> tuple[list[li
 TEST_DELAY_ENV = "GRPO_TEST_GENERATOR_DELAY_S"
 
 
-def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int, lora=None, delay_s: float = 0.0) -> None:
+def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int, lora=None, delay_s: float = 0.0,
+            episodes: EpisodeSettings | None = None) -> None:
     """The generator process: load the policy, then serve weight updates and generation requests until told to stop.
 
     Messages are handled strictly in the order they were sent (one pipe, one FIFO sender): a round is sampled with
     the last weights sent before it, and rounds draw from one seeded RNG stream in submission order. So the version
-    and the tokens of every round follow from the config and the seed, however fast either side runs."""
+    and the tokens of every round follow from the config and the seed, however fast either side runs. A round of
+    episodes is one message too: every turn of every episode is sampled with the same weights, which change only
+    between rounds.
+
+    With ``episodes`` the process also imports the environment files, loads the tokenizer saved beside the weights
+    and runs rounds of episodes (``rows`` given). An environment's fault ends its episode (NaN reward) inside the
+    runner; any other error in a round is sent back for that round, and the process serves the next one."""
     import signal
 
     import torch
@@ -136,6 +225,16 @@ def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int, lora=None,
         model = get_peft_model(model, lora).eval()
         load_weights = lambda sd: set_peft_model_state_dict(model, sd)  # noqa: E731
         load_weights(load_file(os.path.join(model_dir, ADAPTER_FILE)))
+    tokenizer = None
+    if episodes is not None:
+        from transformers import AutoTokenizer
+
+        from grpo.environments import load_environment_module
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        for path in episodes.modules:
+            load_environment_module(path, source="GRPO_ENV_MODULES")
+        generate = sampling_generate(model, gen)
     version = 0
     while True:
         try:
@@ -149,12 +248,19 @@ def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int, lora=None,
             _, version, blob = msg
             load_weights(torch.load(io.BytesIO(blob), weights_only=True))
             continue
-        _, round_id, prompt_ids = msg
+        _, round_id, prompt_ids, rows = msg
         if delay_s:
             time.sleep(delay_s)
         start = time.perf_counter()
-        completions, completion_logps = sample_round(model, prompt_ids, gen)
-        conn.send(("result", round_id, version, completions, completion_logps, time.perf_counter() - start))
+        try:
+            if rows is None:
+                result = sample_round(model, prompt_ids, gen)
+            else:
+                result = run_episode_round(prompt_ids, rows, generate, tokenizer, episodes, gen["eos_token_ids"])
+        except Exception as err:  # noqa: BLE001 - reported for this round; the process goes on
+            conn.send(("error", round_id, f"{type(err).__name__}: {err}"))
+            continue
+        conn.send(("result", round_id, version, result, time.perf_counter() - start))
 
 
 # Generator processes fork from one forkserver per trainer process, which imports torch, transformers and the model
@@ -177,13 +283,15 @@ class AsyncRolloutProducer:
     """Client side of the generator process: submit rounds ahead, collect them in order, push weights."""
 
     def __init__(self, model_dir: str, generation: dict, seed: int, threads: int = 1, start_timeout: float = 120,
-                 lora=None):
+                 lora=None, episodes: EpisodeSettings | None = None):
         """``lora``: the trainer's ``peft.LoraConfig`` when it trains an adapter (``model_dir`` then holds the base
-        weights and :data:`ADAPTER_FILE`; weight syncs carry the adapter's state dict)."""
+        weights and :data:`ADAPTER_FILE`; weight syncs carry the adapter's state dict). ``episodes``: rounds
+        submitted with ``rows`` are rounds of episodes in these settings (``model_dir`` then holds the tokenizer)."""
         ctx = _generator_context()
         self._conn, child = ctx.Pipe()
         delay = float(os.environ.get(TEST_DELAY_ENV) or 0.0)
-        self._proc = ctx.Process(target=_worker, args=(child, model_dir, generation, seed, threads, lora, delay),
+        self._proc = ctx.Process(target=_worker, args=(child, model_dir, generation, seed, threads, lora, delay,
+                                                               episodes),
                                  daemon=True)
         self._proc.start()
         child.close()
@@ -192,8 +300,9 @@ class AsyncRolloutProducer:
         self._outbox: queue.Queue = queue.Queue()
         self._sender = threading.Thread(target=self._send_loop, daemon=True, name="rollout-producer-send")
         self._sender.start()
-        self._pending: dict[int, list[list[int]]] = {}
-        self._done: dict[int, Rollout] = {}
+        self._pending: dict[int, tuple[list[list[int]], list[dict] | None]] = {}
+        self._done: dict[int, Rollout | str] = {}
+        self._episodes = episodes
 
     def _send_loop(self) -> None:
         while (msg := self._outbox.get()) is not None:
@@ -202,9 +311,13 @@ class AsyncRolloutProducer:
             except (BrokenPipeError, OSError):  # the generator died; get() reports it
                 return
 
-    def submit(self, round_id: int, prompt_ids: list[list[int]]) -> None:
-        self._pending[round_id] = prompt_ids
-        self._outbox.put(("generate", round_id, prompt_ids))
+    def submit(self, round_id: int, prompt_ids: list[list[int]], rows: list[dict] | None = None) -> None:
+        """One round: completions of ``prompt_ids``, or with ``rows`` (one per prompt) their episodes."""
+        if rows is not None and self._episodes is None:
+            raise ValueError("a round of episodes needs the producer started with episode settings")
+        rows = None if rows is None else [dict(r) for r in rows]
+        self._pending[round_id] = (prompt_ids, rows)
+        self._outbox.put(("generate", round_id, prompt_ids, rows))
 
     def push_weights(self, version: int, state_dict: dict) -> None:
         """New weights for the generator (returns at once); requests queued before this run with the older version."""
@@ -230,14 +343,21 @@ class AsyncRolloutProducer:
                 )
             if self._conn.poll(min(left, 1.0)):
                 try:
-                    _, rid, version, completions, logps, seconds = self._conn.recv()
+                    msg = self._conn.recv()
                 except (EOFError, OSError):  # the pipe closed under us: the generator died
                     self._proc.join(timeout=5)
                     raise RuntimeError(f"generator process died (exit code {self._proc.exitcode}) waiting for round "
                                        f"{shown}") from None
-                prompts = self._pending.pop(rid)
-                self._done[rid] = Rollout(rid, version, prompts, completions, logps, seconds)
-        return self._done.pop(round_id)
+                prompts, rows = self._pending.pop(msg[1])
+                if msg[0] == "error":
+                    self._done[msg[1]] = msg[2]
+                    continue
+                _, rid, version, result, seconds = msg
+                self._done[rid] = rollout_of(rid, version, prompts, rows, result, seconds)
+        done = self._done.pop(round_id)
+        if isinstance(done, str):
+            raise RuntimeError(f"generator process failed round {shown}: {done}")
+        return done
 
     def close(self, wait: bool = True) -> None:
         """Stop the generator. ``wait=False`` returns at once and reaps the process in a daemon thread (it may be
@@ -255,6 +375,18 @@ class AsyncRolloutProducer:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join()
+
+
+def rollout_of(round_id: int, version: int, prompt_ids: list[list[int]], rows: list[dict] | None, result,
+               seconds: float) -> Rollout:
+    """A round's :class:`Rollout`: from ``(completions, logprobs)``, or from its episodes (``rows`` given), whose
+    completions and log-probs (None when an episode has none) it also lists."""
+    if rows is None:
+        completions, logps = result
+        return Rollout(round_id, version, prompt_ids, completions, logps, seconds)
+    logps = [ep.logprobs for ep in result]
+    return Rollout(round_id, version, prompt_ids, [ep.completion_ids for ep in result],
+                   None if any(lp is None for lp in logps) else logps, seconds, episodes=list(result), rows=rows)
 
 
 def available_cores() -> int:
@@ -282,5 +414,6 @@ def trainer_threads(generator_threads: int, current: int) -> int:
     return max(1, min(current, available_cores() - generator_threads))
 
 
-__all__ = ["AsyncRolloutProducer", "Rollout", "available_cores", "generator_weights", "producer_threads",
-           "trainer_threads"]
+__all__ = ["AsyncRolloutProducer", "EpisodeSettings", "Rollout", "available_cores", "build_environments",
+           "environment_module_files", "generator_weights", "producer_threads", "rollout_of", "run_episode_round",
+           "sampling_generate", "trainer_threads"]

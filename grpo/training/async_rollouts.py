@@ -18,6 +18,13 @@ submitted at step k - d, after that step's push, so its version is the last push
 too). The trainer waits for the round it needs however slow the generator is, and the CPU generator draws every
 round from one seeded RNG stream in submission order, so the tokens are fixed as well (a vLLM server's are not:
 it batches requests as they arrive).
+
+With an environment (``environment.name``, protocol ``text``) a round is a round of EPISODES: the engine runs THE
+episode runner (:func:`grpo.environments.episodes.run_episodes`) with its own ``generate`` and returns the
+episodes, and :meth:`AsyncRollouts._episodes_for` hands them to the trainer's ``rollout_func`` (TRL's per-turn
+generation never reaches the round cache). A round is one request, so every turn of every episode is sampled with
+the round's one policy version; prefetch and ``max_staleness`` act on whole rounds of episodes (a stale round is
+generated again whole, never partly).
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from pathlib import Path
 from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 
-from grpo.training.async_producer import ADAPTER_FILE, base_weights
+from grpo.training.async_producer import ADAPTER_FILE, EpisodeSettings, Rollout, base_weights
+from grpo.training.episodes import reset_row
 
 
 class AsyncRollouts:
@@ -44,6 +52,7 @@ class AsyncRollouts:
         self._rounds_read = 0
         self._submitted: set[int] = set()
         self._last_round_end: float | None = None
+        self._episode_settings = self._async_episode_settings() if self._async else None
         if self._async:
             self.add_callback(_WeightSync(self))
             if self.args.max_steps > 0:
@@ -55,6 +64,24 @@ class AsyncRollouts:
                                                  has_tool_images)
         return self._async_rollouts(prompt_ids)
 
+    def _async_episode_settings(self) -> EpisodeSettings | None:
+        """The rollout engine's episode settings (``environment`` section, protocol ``text``), or None: single-turn
+        rounds (TRL's chat tool loop generates through ``_generate_single_turn``, turn by turn)."""
+        from grpo.training.async_producer import environment_module_files
+
+        env = getattr(self.experiment, "environment", None)
+        if env is None or not env.enabled or env.protocol != "text":
+            return None
+        return EpisodeSettings(name=env.name, kwargs=dict(env.kwargs), tools=tuple(env.tools), max_turns=env.max_turns,
+                               max_completion_length=self.max_completion_length, step_timeout=env.step_timeout,
+                               max_concurrency=env.max_concurrency, modules=environment_module_files())
+
+    def _episodes_for(self, prompt_ids: list[list[int]], rows: list[dict]) -> list:
+        """The round's episodes from the rollout engine (async training), else as the sync trainer runs them."""
+        if self._async and self.model.training and self._episode_settings is not None:
+            return self._async_round(prompt_ids, rows).episodes
+        return super()._episodes_for(prompt_ids, rows)
+
     @property
     def _micro_steps_per_round(self) -> int:
         return self.batch_layout.micro_steps_per_round
@@ -64,10 +91,16 @@ class AsyncRollouts:
         return (self.state.global_step * ga + self._step % ga) // self._micro_steps_per_round
 
     def _future_round_prompt_ids(self, round_id: int) -> list[list[int]] | None:
-        """Prompt token ids of a future round, read from a fresh copy of the (deterministic) train sampler; ``None``
-        past the end of the data or for a round already read. Rounds are asked for in increasing order, each once
-        (then it is submitted), so nothing is kept: keeping every round grew by a round's token ids per step (~1.4 MB a
-        round of 256 GSM8K-length prompts), and a resumed run skips the rounds before it without tokenizing them."""
+        """Prompt token ids of a future round (see :meth:`_future_round`)."""
+        future = self._future_round(round_id)
+        return None if future is None else future[0]
+
+    def _future_round(self, round_id: int) -> tuple[list[list[int]], list[dict] | None] | None:
+        """Prompt token ids of a future round and, for rounds of episodes, its rows, read from a fresh copy of the
+        (deterministic) train sampler; ``None`` past the end of the data or for a round already read. Rounds are asked
+        for in increasing order, each once (then it is submitted), so nothing is kept: keeping every round grew by a
+        round's token ids per step (~1.4 MB a round of 256 GSM8K-length prompts), and a resumed run skips the rounds
+        before it without tokenizing them."""
         if self._round_iter is None:
             sampler = self.build_train_sampler(self.train_dataset)
             rows = self.batch_layout.completions_per_rank
@@ -83,9 +116,13 @@ class AsyncRollouts:
             except StopIteration:
                 return None
             self._rounds_read += 1
-        # One column read for the round (datasets answers a list of indices at once): row by row it cost ~9 ms of a
-        # 0.10 s async step on the tiny preset (256 rows, each a separate Arrow lookup and formatting)
-        return self._tokenize_prompts(self.train_dataset[list(idx)]["prompt"])[0]
+        # One read for the round (datasets answers a list of indices at once): row by row it cost ~9 ms of a 0.10 s
+        # async step on the tiny preset (256 rows, each a separate Arrow lookup and formatting)
+        batch = self.train_dataset[list(idx)]
+        episode_rows = None  # not "rows": the sampler's generator above reads that name lazily
+        if self._episode_settings is not None:
+            episode_rows = [reset_row(dict(zip(batch, values))) for values in zip(*batch.values())]
+        return self._tokenize_prompts(batch["prompt"])[0], episode_rows
 
     def _start_producer(self) -> None:
         """Start the rollout engine. Called at construction, so its start-up (imports, model load, the server
@@ -116,6 +153,8 @@ class AsyncRollouts:
         else:
             state = model.state_dict()
         model.config.save_pretrained(init_dir)
+        if self._episode_settings is not None:  # the generator's episode runner decodes turns and encodes replies
+            self._tokenizer.save_pretrained(init_dir)
         # Every tensor under its own name (tied embeddings included): safetensors' save_model keeps one name of a
         # tied pair, and from_pretrained then left the other randomly initialised, so the generator sampled garbage.
         state = {k: v.detach().contiguous().clone() for k, v in state.items()}
@@ -130,7 +169,7 @@ class AsyncRollouts:
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(trainer_threads(threads, self._threads_before))
         self._producer = AsyncRolloutProducer(str(init_dir), gen, seed=self.args.seed + self.accelerator.process_index,
-                                              threads=threads, lora=lora)
+                                              threads=threads, lora=lora, episodes=self._episode_settings)
 
     def _start_vllm_engine(self) -> None:
         """Connect TRL's vLLM client to the server (``grpo.vllm_server_host``/``port``, TRL's ``vllm_server_*``
@@ -144,7 +183,8 @@ class AsyncRollouts:
         self._producer = VLLMServerEngine.connect(
             host=g.vllm_server_host, port=g.vllm_server_port, base_url=a.vllm_server_base_url,
             group_port=a.vllm_group_port, timeout=a.vllm_server_timeout, sampling=sampling,
-            num_generations=self.num_generations, device=self.accelerator.device)
+            num_generations=self.num_generations, device=self.accelerator.device,
+            episodes=self._episode_settings, tokenizer=self._tokenizer, eos_token_ids=list(self.eos_token_ids))
 
     def _generator_weights(self) -> dict:
         """What a weight sync sends the CPU generator process: the whole state dict, or with ``model.lora`` the
@@ -158,7 +198,14 @@ class AsyncRollouts:
         self._producer.sync_weights(self.state.global_step, self.accelerator.unwrap_model(self.model))
 
     def _async_rollouts(self, prompt_ids: list[list[int]]):
+        rollout = self._async_round(prompt_ids)
+        return rollout.completion_ids, rollout.logprobs
+
+    def _async_round(self, prompt_ids: list[list[int]], rows: list[dict] | None = None) -> Rollout:
+        """The current round from the engine: the prefetched one if its rows are these and it is fresh enough, else
+        generated now with current weights; then the next rounds submitted ahead. ``rows``: a round of episodes."""
         a = self.experiment.async_
+        rows = None if rows is None else [reset_row(r) for r in rows]
         if self._producer is None:
             self._start_producer()
         producer = self._producer
@@ -170,7 +217,7 @@ class AsyncRollouts:
         if round_id in self._submitted:
             candidate = producer.get(round_id)
             self._submitted.discard(round_id)
-            if candidate.prompt_ids != [list(p) for p in prompt_ids]:
+            if candidate.prompt_ids != [list(p) for p in prompt_ids] or candidate.rows != rows:
                 candidate = None  # the round's rows changed after submission (re-roll injection): generate them now
             elif self.state.global_step - candidate.version > a.max_staleness:
                 dropped = 1  # too old: never trained on, generated again below with current weights
@@ -178,16 +225,17 @@ class AsyncRollouts:
             rollout = candidate
         if rollout is None:
             self._sync_engine()
-            producer.submit(-1 - round_id, [list(p) for p in prompt_ids])
+            producer.submit(-1 - round_id, [list(p) for p in prompt_ids], rows=rows)
             rollout = producer.get(-1 - round_id)
         waited = time.perf_counter() - now
 
         depth = a.prefetch_depth if a.async_prefetch else 0
         for future in range(round_id + 1, round_id + 1 + depth):
             if future not in self._submitted:
-                ids = self._future_round_prompt_ids(future)
-                if ids is not None:
-                    producer.submit(future, [list(p) for p in ids])
+                ahead = self._future_round(future)
+                if ahead is not None:
+                    ids, future_rows = ahead
+                    producer.submit(future, [list(p) for p in ids], rows=future_rows)
                     self._submitted.add(future)
 
         staleness = float(self.state.global_step - rollout.version)
@@ -202,7 +250,7 @@ class AsyncRollouts:
 
             self._record("async/trainer_threads", float(torch.get_num_threads()))
         self._last_round_end = time.perf_counter()
-        return rollout.completion_ids, rollout.logprobs
+        return rollout
 
     def close_producer(self, wait: bool = True) -> None:
         if self._producer is not None:

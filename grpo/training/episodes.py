@@ -40,6 +40,11 @@ ROUTING_COLUMN = "environment"
 _ROLLOUT_COLUMNS = frozenset(rollout_fields([]).keys())
 
 
+def reset_row(row: dict[str, Any]) -> dict[str, Any]:
+    """The columns of ``row`` an environment's ``reset(**row)`` gets: the dataset's, not the rollout's."""
+    return {k: v for k, v in row.items() if k not in _ROLLOUT_COLUMNS}
+
+
 class _Unbuildable:
     """Stands in for an environment whose construction raised: its episode ends with that error (reward NaN)."""
 
@@ -126,7 +131,7 @@ class EnvironmentRollouts:
                 environments.append(build_environment(name, env.kwargs if name == env.name else {}, env.tools))
             except Exception as err:  # noqa: BLE001 - that episode fails (reward NaN); the run goes on
                 environments.append(_Unbuildable(err))
-        reset_rows = [{k: v for k, v in row.items() if k not in _ROLLOUT_COLUMNS} for row in rows]
+        reset_rows = [reset_row(row) for row in rows]
         return run_episodes(
             prompt_ids, environments, self._generate_turn, self._tokenizer, rows=reset_rows,
             max_turns=env.max_turns, max_completion_length=self.max_completion_length,
@@ -170,4 +175,4 @@ class EnvironmentRollouts:
             self._metrics[mode][name].append(value)
 
 
-__all__ = ["EnvironmentRollouts", "build_environment", "chat_environment_factory"]
+__all__ = ["EnvironmentRollouts", "build_environment", "chat_environment_factory", "reset_row"]

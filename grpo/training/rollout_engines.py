@@ -3,9 +3,13 @@
 The trainer side (:mod:`grpo.training.async_rollouts`: prefetch, version tags, the ``max_staleness`` bound, the
 importance-sampling correction of :mod:`grpo.training.off_policy`) is the same for every engine. An engine
 
-* ``submit(round_id, prompt_ids)`` -- starts generating one round (one row per completion), returns at once;
+* ``submit(round_id, prompt_ids, rows=None)`` -- starts generating one round (one row per completion), returns at
+  once; with ``rows`` (dataset rows, one per prompt) the round is a round of episodes: the engine runs THE episode
+  runner (:func:`grpo.environments.episodes.run_episodes`) with its own ``generate``, the environments built in the
+  engine's process from the registry (:func:`~grpo.training.async_producer.build_environments`);
 * ``get(round_id, timeout)`` -- waits for that round: a :class:`~grpo.training.async_producer.Rollout` with the
-  completions, the per-token sampling log-probs and the policy ``version`` whose weights sampled it;
+  completions, the per-token sampling log-probs and the policy ``version`` whose weights sampled it (every turn of
+  a round's episodes: weights change only between rounds), and its ``episodes`` for a round of episodes;
 * ``sync_weights(version, model)`` -- new weights (returns at once; rounds submitted before it use the older ones:
   requests and weights are served in one FIFO order, so every round's version is fixed at submission);
 * ``in_flight`` -- rounds submitted and not yet collected; ``close(wait)``.
@@ -32,13 +36,13 @@ import threading
 import time
 from typing import Any, Protocol
 
-from grpo.training.async_producer import Rollout
+from grpo.training.async_producer import EpisodeSettings, Rollout, rollout_of, run_episode_round
 
 
 class RolloutEngine(Protocol):
     """What the trainer needs from a rollout generator (see the module docstring)."""
 
-    def submit(self, round_id: int, prompt_ids: list[list[int]]) -> None: ...
+    def submit(self, round_id: int, prompt_ids: list[list[int]], rows: list[dict] | None = None) -> None: ...
 
     def get(self, round_id: int, timeout: float = 600.0) -> Rollout: ...
 
@@ -91,9 +95,18 @@ class VLLMServerEngine:
 
     ``sync_weights`` copies the weights on the trainer's device at call time (one extra copy of the policy in GPU
     memory) so the optimizer can keep updating them in place while the copy waits its turn in the queue.
+
+    A round of episodes (``episodes`` settings, ``rows`` given to ``submit``) runs the episode runner on the engine's
+    thread, its environments built there: each turn is one ``/v1/completions`` request for every live episode (token
+    ids in, the turn's stop strings as vLLM's ``stop`` with ``include_stop_str_in_output``, the sampled tokens'
+    log-probs out), and no weight push is served until the round's last turn is done.
     """
 
-    def __init__(self, client, sampling: dict, num_generations: int, device=None) -> None:
+    def __init__(self, client, sampling: dict, num_generations: int, device=None,
+                 episodes: EpisodeSettings | None = None, tokenizer=None, eos_token_ids=None) -> None:
+        if episodes is not None and tokenizer is None:
+            raise ValueError("a vLLM engine running episodes needs the tokenizer")
+        self._episodes, self._tokenizer, self._eos_token_ids = episodes, tokenizer, eos_token_ids
         self._client = client
         self._sampling = dict(sampling)
         self._num_generations = num_generations
@@ -111,21 +124,31 @@ class VLLMServerEngine:
 
     @classmethod
     def connect(cls, *, host: str, port: int, base_url: str | None = None, group_port: int = 51216,
-                timeout: float = 240.0, sampling: dict, num_generations: int, device=None) -> VLLMServerEngine:
+                timeout: float = 240.0, sampling: dict, num_generations: int, device=None,
+                episodes: EpisodeSettings | None = None, tokenizer=None, eos_token_ids=None) -> VLLMServerEngine:
         """Wait for the server (``timeout`` seconds) and connect TRL's client to it. The weight-sync group (NCCL,
-        ``init_communicator``) is opened by the first weight sync, on the engine's thread."""
+        ``init_communicator``) is opened by the first weight sync, on the engine's thread. ``episodes``: rounds
+        submitted with rows are rounds of episodes (``tokenizer`` decodes turns and encodes observations)."""
         from trl.generation.vllm_client import VLLMClient  # lazy: vLLM is the GPU install's
 
         client = VLLMClient(base_url=base_url, host=host, server_port=port, group_port=group_port,
                             connection_timeout=timeout)
-        return cls(client, sampling, num_generations, device=device)
+        if episodes is not None:  # environment files the trainer process was given (this process: already loaded)
+            from grpo.environments import load_environment_module
+
+            for path in episodes.modules:
+                load_environment_module(path, source="GRPO_ENV_MODULES")
+        return cls(client, sampling, num_generations, device=device, episodes=episodes, tokenizer=tokenizer,
+                   eos_token_ids=eos_token_ids)
 
     # ------------------------------------------------------------ the RolloutEngine interface
 
-    def submit(self, round_id: int, prompt_ids: list[list[int]]) -> None:
+    def submit(self, round_id: int, prompt_ids: list[list[int]], rows: list[dict] | None = None) -> None:
+        if rows is not None and self._episodes is None:
+            raise ValueError("a round of episodes needs the engine connected with episode settings")
         with self._ready:
             self._pending[round_id] = prompt_ids
-        self._inbox.put(("generate", round_id, prompt_ids))
+        self._inbox.put(("generate", round_id, prompt_ids, None if rows is None else [dict(r) for r in rows]))
 
     def sync_weights(self, version: int, model) -> None:
         snapshot = [(name, tensor.detach().clone()) for name, tensor in vllm_named_weights(model)]
@@ -169,8 +192,9 @@ class VLLMServerEngine:
                     self._push(snapshot)
                     self._version = version
                 else:
-                    _, round_id, prompt_ids = msg
-                    rollout = self._generate(round_id, prompt_ids)
+                    _, round_id, prompt_ids, rows = msg
+                    rollout = (self._generate(round_id, prompt_ids) if rows is None
+                               else self._run_episodes(round_id, prompt_ids, rows))
                     with self._ready:
                         self._done[round_id] = rollout
                         self._ready.notify_all()
@@ -209,6 +233,24 @@ class VLLMServerEngine:
             raise RuntimeError(f"vLLM server returned {len(completions)} completions for {len(prompt_ids)} rows")
         return Rollout(round_id, version, [list(p) for p in prompt_ids], completions, logps,
                        time.perf_counter() - start)
+
+    def _turn(self, seqs: list[list[int]], max_new_tokens: int, stop_strings: tuple[str, ...]):
+        """The episode runner's ``generate`` over the server: one completion per live episode's token ids."""
+        sampling = {**self._sampling, "max_tokens": max_new_tokens}
+        if stop_strings:
+            sampling["generation_kwargs"] = {**sampling.get("generation_kwargs", {}), "stop": list(stop_strings),
+                                             "include_stop_str_in_output": True}
+        out = self._client.generate(prompts=seqs, n=1, logprobs=0, **sampling)
+        logps = [[math.nan if lp[0] is None else float(lp[0]) for lp in seq] for seq in out["logprobs"]]
+        return list(zip(out["completion_ids"], logps))
+
+    def _run_episodes(self, round_id: int, prompt_ids: list[list[int]], rows: list[dict]) -> Rollout:
+        start = time.perf_counter()
+        version = self._version  # weights move only between messages: every turn below is sampled by this version
+        episodes = run_episode_round(prompt_ids, rows, self._turn, self._tokenizer, self._episodes,
+                                     self._eos_token_ids)
+        return rollout_of(round_id, version, [list(p) for p in prompt_ids], rows, episodes,
+                          time.perf_counter() - start)
 
 
 __all__ = ["RolloutEngine", "VLLMServerEngine", "engine_kind", "vllm_named_weights"]

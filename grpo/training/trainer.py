@@ -75,8 +75,9 @@ TRL_HOOKS: dict[str, str] = {
 
 
 
-class GRPOTrainer(EnvironmentRollouts, AsyncRollouts, RewardScoring, ReplayAndReroll, SeqlenBalancing, ZeroAdvantageSkip, ChunkedLoss,
-                  OffPolicyCorrection, SharedPromptForward, trl.GRPOTrainer):
+class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndReroll, SeqlenBalancing, ZeroAdvantageSkip,
+                  ChunkedLoss, OffPolicyCorrection, SharedPromptForward, trl.GRPOTrainer):
+    # AsyncRollouts before EnvironmentRollouts: its _episodes_for takes a round's episodes from the rollout engine;
     # OffPolicyCorrection after the others: every loss call passes through it; SharedPromptForward next to TRL: it
     # changes only how TRL's log-prob forward runs the model
     """TRL's GRPO trainer with extension points; see the module docstring."""
