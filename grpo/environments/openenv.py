@@ -44,6 +44,7 @@ _RETRY_S = 0.05
 _loop_lock = threading.Lock()
 _loop: tuple[int, asyncio.AbstractEventLoop] | None = None
 _limits: dict[str, ConcurrencyLimit] = {}
+_sessions: dict[str, int] = {}
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:
@@ -153,6 +154,7 @@ class OpenEnvEnvironment(Environment):
         if max_concurrent_envs is not None:
             self.concurrency_limit.value = max_concurrent_envs
         self._client: Any = None
+        self._holds = False  # counted in _sessions: a session the server accepted
 
     def _text(self, result: Any) -> str | None:
         observation = result.observation if isinstance(result.observation, dict) else {}
@@ -171,20 +173,28 @@ class OpenEnvEnvironment(Environment):
                                       message_timeout_s=self.message_timeout_s)
             self._client = client
             try:
-                return _run(client.reset(**kwargs), self.connect_timeout_s + self.message_timeout_s,
-                            f"OpenEnv server {self.base_url} reset")
+                result = _run(client.reset(**kwargs), self.connect_timeout_s + self.message_timeout_s,
+                              f"OpenEnv server {self.base_url} reset")
             except ServerError as err:
                 if err.code != "CAPACITY_REACHED":
                     raise
                 self.close()
-                if self.concurrency_limit.value is None:
-                    limit = int(err.data.get("max_sessions") or 1)
-                    self.concurrency_limit.value = limit
-                    raise RuntimeError(f"{err}; the later episodes are limited to {limit} (max_concurrent_envs)") \
-                        from None
+                with _loop_lock:
+                    limit, held = self.concurrency_limit.value, _sessions.get(self.base_url, 0)
+                    if limit is None:
+                        limit = self.concurrency_limit.value = int(err.data.get("max_sessions") or 1)
+                        raise RuntimeError(f"{err}; the later episodes are limited to {limit} (max_concurrent_envs)") \
+                            from None
+                if held >= limit:
+                    raise RuntimeError(f"{err}; this process holds {held} of its {limit}") from None
                 if time.monotonic() >= deadline:
                     raise RuntimeError(f"refused a session for {self.connect_timeout_s:g} s: {err}") from None
                 time.sleep(_RETRY_S)
+                continue
+            with _loop_lock:
+                _sessions[self.base_url] = _sessions.get(self.base_url, 0) + 1
+            self._holds = True
+            return result
 
     def reset(self, **row: Any) -> str | None:
         self.close()  # a session left open by an episode that did not end through the runner
@@ -194,7 +204,8 @@ class OpenEnvEnvironment(Environment):
         try:
             result = self._open(data)
         except TimeoutError:
-            raise
+            raise TimeoutError(f"OpenEnv server {self.base_url} reset: no answer within "
+                               f"{self.connect_timeout_s + self.message_timeout_s:g} s") from None
         except Exception as err:  # noqa: BLE001 - a refused connection, a dead server: said with the server's address
             raise ConnectionError(f"OpenEnv server {self.base_url} reset: {type(err).__name__}: {err}") from None
         return self._text(result)
@@ -206,7 +217,8 @@ class OpenEnvEnvironment(Environment):
             result = _run(self._client.step({self.action_field: action}), self.message_timeout_s + 5.0,
                           f"OpenEnv server {self.base_url} step")
         except TimeoutError:
-            raise
+            raise TimeoutError(f"OpenEnv server {self.base_url} step: no answer within {self.message_timeout_s:g} s") \
+                from None
         except Exception as err:  # noqa: BLE001 - as in reset
             raise ConnectionError(f"OpenEnv server {self.base_url} step: {type(err).__name__}: {err}") from None
         return StepResult(self._text(result), bool(result.done),
@@ -215,6 +227,10 @@ class OpenEnvEnvironment(Environment):
     def close(self) -> None:
         """Close the session (the server frees its slot); a dead server's session is already gone."""
         client, self._client = self._client, None
+        if self._holds:
+            self._holds = False
+            with _loop_lock:
+                _sessions[self.base_url] -= 1
         if client is not None:
             try:
                 _run(client.disconnect(), self.message_timeout_s, f"OpenEnv server {self.base_url} close")
