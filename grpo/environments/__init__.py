@@ -100,7 +100,8 @@ def tool_schema(tool: Tool | str) -> dict[str, Any]:
 from grpo.environments import builtin, openenv  # noqa: E402,F401  (register the built-ins; they import the names above)
 
 __all__ = [
-    "ENVIRONMENTS", "MODULES_ENV", "TOOLS", "ConcurrencyLimit", "Environment", "StepResult", "ToolCall", "ToolEnvironment",
+    "ENVIRONMENTS", "MODULES_ENV", "TOOLS", "ConcurrencyLimit", "Environment", "StepResult", "ToolCall",
+    "ToolEnvironment",
     "available_environments", "available_tools", "get_environment", "get_tool", "load_environment_module",
     "make_environment", "register_environment", "register_tool", "tool_schema",
 ]
