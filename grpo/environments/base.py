@@ -8,7 +8,8 @@ An environment is any object with
   done, reward)`` out. A plain ``(observation, done, reward)`` tuple is accepted too.
 
 and optionally the attributes of :class:`Environment` (``stop_strings``, ``alphabet``, ``default_reward``,
-``concurrency_limit``) and ``close()``. One instance serves one episode at a time; the episode runner (:mod:`grpo.environments.episodes`) calls ``step``
+``concurrency_limit``) and ``close()``. One instance serves one episode at a time; the episode runner
+(:mod:`grpo.environments.episodes`) calls ``step``
 from a worker thread, so ``step`` may block (a tool call, a server round trip).
 
 The text protocol works for any tokenizer, a character-level one included: a model turn ends at one of the
