@@ -8,6 +8,7 @@ the schemas of ``GRPOTrainer(tools=...)``). :func:`grpo.environments.episodes.ru
 Configs name environments and tools; code gets into the registries as for rewards (:mod:`grpo.registry`):
 
 * the built-ins (:mod:`grpo.environments.builtin`): environments ``calculator``, ``guess_digit``; tool ``calculator``;
+  ``openenv`` (:mod:`grpo.environments.openenv`), an environment behind an OpenEnv server;
 * the ``grpo.environments`` and ``grpo.tools`` entry-point groups of an installed package;
 * ``--env-module path/to/my_envs.py``, a file using :func:`register_environment` / :func:`register_tool`;
 * ``GRPO_ENV_MODULES`` (such files, separated by ``os.pathsep``) in the environment of a worker, the async
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from grpo.environments.base import Environment, StepResult, ToolCall, ToolEnvironment
+from grpo.environments.base import ConcurrencyLimit, Environment, StepResult, ToolCall, ToolEnvironment
 from grpo.registry import Registry
 
 EnvironmentFactory = Callable[..., Any]
@@ -105,10 +106,11 @@ def tool_schema(tool: Tool | str) -> dict[str, Any]:
     return get_json_schema(get_tool(tool) if isinstance(tool, str) else tool)
 
 
-from grpo.environments import builtin  # noqa: E402,F401  (registers the built-ins; it imports the names above)
+from grpo.environments import builtin, openenv  # noqa: E402,F401  (register the built-ins; they import the names above)
 
 __all__ = [
-    "ENVIRONMENTS", "MODULES_ENV", "TOOLS", "Environment", "StepResult", "ToolCall", "ToolEnvironment",
-    "available_environments", "available_tools", "environment_alphabet", "get_environment", "get_tool", "load_environment_module",
+    "ENVIRONMENTS", "MODULES_ENV", "TOOLS", "ConcurrencyLimit", "Environment", "StepResult", "ToolCall",
+    "ToolEnvironment", "available_environments", "available_tools", "environment_alphabet", "get_environment",
+    "get_tool", "load_environment_module",
     "make_environment", "register_environment", "register_tool", "tool_schema",
 ]

@@ -7,8 +7,9 @@ An environment is any object with
 * ``step(action: str) -> StepResult``: the model's turn as text (its stop string included) in, ``(observation,
   done, reward)`` out. A plain ``(observation, done, reward)`` tuple is accepted too.
 
-and optionally the class attributes of :class:`Environment` (``stop_strings``, ``alphabet``, ``default_reward``).
-One instance serves one episode at a time; the episode runner (:mod:`grpo.environments.episodes`) calls ``step``
+and optionally the attributes of :class:`Environment` (``stop_strings``, ``alphabet``, ``default_reward``,
+``concurrency_limit``) and ``close()``. One instance serves one episode at a time; the episode runner
+(:mod:`grpo.environments.episodes`) calls ``step``
 from a worker thread, so ``step`` may block (a tool call, a server round trip).
 
 The text protocol works for any tokenizer, a character-level one included: a model turn ends at one of the
@@ -38,6 +39,18 @@ class ToolCall:
     seconds: float = field(default=0.0, compare=False)
 
 
+@dataclass(eq=False)
+class ConcurrencyLimit:
+    """How many episodes may be live at once on one shared resource, such as an environment server's sessions.
+
+    The environments that draw on one resource share one instance (the runner groups episodes by its identity);
+    ``value`` None means no limit. ``value`` may change between admissions (a server tells its limit when it refuses
+    a session): the runner reads it each time it admits episodes.
+    """
+
+    value: int | None = None
+
+
 class StepResult(NamedTuple):
     """What ``step`` returns: the text appended for the model (None or "" for nothing), whether the episode is over,
     this step's reward (None: no reward from this step; an episode's rewards are summed), and the tool calls the step
@@ -63,11 +76,21 @@ class Environment:
     group statistics leave out (TRL's None); an environment that scores its episodes sets it to its failure score, so
     an episode cut off by a budget counts as a failure instead of vanishing from its group."""
 
+    concurrency_limit: ConcurrencyLimit | None = None
+    """Shared with the other environments that draw on the same resource: the runner starts (``reset``) an episode
+    only while fewer than ``concurrency_limit.value`` of theirs are live, and the rest wait for an episode to end.
+    None: no limit."""
+
     def reset(self, **row: Any) -> str | None:
         return None
 
     def step(self, action: str) -> StepResult:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Called once when an episode ends, whatever ended it (done, a budget, an error), so an environment that holds
+        a resource per episode (a server session) gives it back before the next episode starts. The instance may be
+        reset again afterwards."""
 
 
 def _convert(text: str, annotation: Any) -> Any:

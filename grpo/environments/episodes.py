@@ -24,6 +24,11 @@ an environment token's sampling log-prob is 0.0, TRL's value for tool-result tok
   says why). A tool that raises is not an environment error: :class:`~grpo.environments.base.ToolEnvironment`
   answers with its error text, and the call is counted as a failure.
 
+An environment with a ``concurrency_limit`` (a server's session limit, shared by the environments on that server)
+starts its episode only while fewer than the limit of that group are live; the others start, in order, at the turn
+after an episode of the group ends, and join the live episodes' batched turns. An environment's ``close()`` is called
+when its episode ends, whatever ended it, before any waiting episode starts.
+
 The result depends only on the inputs: steps are collected by episode, whichever finishes first, and each turn's
 batch lists the live episodes in their order.
 """
@@ -39,7 +44,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from grpo.environments.base import StepResult
+from grpo.environments.base import Environment, StepResult
 
 GenerateFn = Callable[[list[list[int]], int, tuple[str, ...]], Sequence[tuple[Sequence[int], Sequence[float] | None]]]
 """``generate(sequences, max_new_tokens, stop_strings) -> [(new_token_ids, logprobs or None), ...]``, one per
@@ -251,17 +256,54 @@ def run_episodes(
             ep._fail(f"observation {text!r} cannot be tokenised: {type(err).__name__}: {err}")
             return None
 
-    try:
-        resets = pool.run([partial(env.reset, **row) for env, row in zip(environments, rows)], step_timeout)
-        live = []
-        for i, (ep, call) in enumerate(zip(episodes, resets)):
-            if call.error is not None:
-                ep._fail(f"environment reset: {call.error}")
-            elif (ids := observation_ids(ep, call.value)) is not None:
-                ep.prompt_ids.extend(ids)
-                live.append(i)
+    limits = [getattr(env, "concurrency_limit", None) for env in environments]
+    pending, live = list(range(n)), []
 
-        while live:
+    def admit() -> list[int]:
+        """Pending episodes (in order) whose environments' shared limit leaves room beside the live ones."""
+        held: dict[int, int] = {}
+        for i in live:
+            if limits[i] is not None:
+                held[id(limits[i])] = held.get(id(limits[i]), 0) + 1
+        chosen = []
+        for i in pending:
+            limit = limits[i]
+            if limit is not None:
+                if limit.value is not None and held.get(id(limit), 0) >= max(limit.value, 1):
+                    continue
+                held[id(limit)] = held.get(id(limit), 0) + 1
+            chosen.append(i)
+        return chosen
+
+    def close(ended: Sequence[int]) -> None:
+        """Give an ended episode's per-episode resources back (a server session) before others start; a failing
+        close changes nothing of the episode, which is over."""
+        closers = [environments[i].close for i in ended
+                   if getattr(type(environments[i]), "close", Environment.close) is not Environment.close]
+        if closers:
+            pool.run(closers, step_timeout)
+
+    try:
+        while pending or live:
+            admitted = admit()
+            started = set(admitted)
+            pending = [i for i in pending if i not in started]
+            resets = pool.run([partial(environments[i].reset, **rows[i]) for i in admitted], step_timeout)
+            failed = []
+            for i, call in zip(admitted, resets):
+                ep = episodes[i]
+                if call.error is not None:
+                    ep._fail(f"environment reset: {call.error}")
+                    failed.append(i)
+                elif (ids := observation_ids(ep, call.value)) is not None:
+                    ep.prompt_ids.extend(ids)
+                    live.append(i)
+                else:
+                    failed.append(i)
+            close(failed)
+            live.sort()
+            if not live:
+                continue
             generated: dict[int, tuple[list[int], list[float] | None]] = {}
             groups: dict[tuple[str, ...], list[int]] = {}
             for i in live:
@@ -292,7 +334,7 @@ def run_episodes(
                     stepping.append((i, text, ended))
 
             steps = pool.run([partial(environments[i].step, text) for i, text, _ in stepping], step_timeout)
-            live = []
+            previous, live = live, []
             for (i, _, ended), call in zip(stepping, steps):
                 ep = episodes[i]
                 if call.error is not None:
@@ -341,6 +383,8 @@ def run_episodes(
                         ep.stop_reason = "max_tokens"
                     else:
                         live.append(i)
+            going_on = set(live)
+            close([i for i in previous if i not in going_on])
     finally:
         pool.close()
 
