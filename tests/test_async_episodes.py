@@ -12,8 +12,14 @@ import pytest
 import torch
 
 from grpo.environments.builtin import CalculatorEnvironment, GuessDigitEnvironment
-from grpo.training.async_producer import (TEST_DELAY_ENV, AsyncRolloutProducer, EpisodeSettings,
-                                          environment_module_files, run_episode_round, sampling_generate)
+from grpo.training.async_producer import (
+    TEST_DELAY_ENV,
+    AsyncRolloutProducer,
+    EpisodeSettings,
+    environment_module_files,
+    run_episode_round,
+    sampling_generate,
+)
 from grpo.training.tiny_model import build_char_tokenizer, build_tiny_qwen2
 
 pytestmark = pytest.mark.integration  # starts the generator process
@@ -142,7 +148,8 @@ def test_environment_faults_cost_their_episode_a_nan_reward_and_the_generator_se
     monkeypatch.setenv("GRPO_ENV_MODULES", str(module))
     settings = EpisodeSettings(name="faulty", max_turns=2, max_completion_length=16, step_timeout=3.0,
                                max_concurrency=4, modules=environment_module_files())
-    assert settings.modules == (str(module),)
+    # the generator loads this file (and any --env-module file this process loaded before, as a CLI run would)
+    assert settings.modules[-1] == str(module) and settings.modules.count(str(module)) == 1
     faults = ["none", "raise", "hang", "none"]
     rows = [{"prompt": "1+1=", "fault": f, "environment": "unbuildable" if i == 3 else None}
             for i, f in enumerate(faults)]
@@ -193,7 +200,7 @@ def test_sync_and_async_trainers_sample_identical_episodes_for_the_same_seed(tmp
     """The same policy, seed and batch: the sync trainer's in-process episodes and the async trainer's (round 0,
     from the generator process) have the same token ids, environment masks, turns and rewards, and log-probs to
     float rounding; the async trainer's round 1 was submitted ahead with its rows."""
-    from tests.test_env_training import make_trainer
+    from tests.env_trainers import make_trainer
 
     sync = make_trainer(tmp_path / "sync")
     threads = torch.get_num_threads()
@@ -223,7 +230,7 @@ def test_a_stale_round_of_episodes_is_generated_again_whole_with_current_weights
     the first weights, is one version old at step 1, so it is dropped and every episode is generated again with the
     current weights: every model token's recorded log-prob is the new policy's (none is the old policy's, which
     differs), across all turns."""
-    from tests.test_env_training import make_trainer
+    from tests.env_trainers import make_trainer
 
     trainer = make_trainer(tmp_path, **ASYNC, **{"grpo.temperature": 1.0})
     trainer.experiment.async_.max_staleness = 0

@@ -9,16 +9,13 @@ import math
 import pytest
 import torch
 
-from grpo.config import load_config
 from grpo.environments import Environment, StepResult, register_environment
 from grpo.environments.episodes import Episode
 from grpo.environments.metrics import episode_metrics
-from grpo.pipeline.data import load_data
-from grpo.rewards import get_reward
-from grpo.training.policy import load_policy
 from grpo.training.train import grpo_args
 from grpo.training.trainer import GRPOTrainer
-from tests.conftest import MICRO, micro_overrides
+from tests.conftest import MICRO
+from tests.env_trainers import make_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -46,21 +43,6 @@ class RecordingEnvironment(Environment):
         if not action or not action[-1].isdigit():
             return StepResult(None, True, 0.0)
         return StepResult("<", False, 0.5)
-
-
-def make_trainer(tmp_path, env: str = "guess_digit", **extra) -> GRPOTrainer:
-    overrides = {"model.warm_start.steps": 0, "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4,
-                 "grpo.max_completion_length": 10, "grpo.temperature": 1.5, "environment.name": env,
-                 "grpo.reward_funcs": "[env_reward]", **extra}
-    cfg = load_config(MICRO, micro_overrides(tmp_path, **overrides))
-    data = load_data(cfg)
-    policy = load_policy(cfg, data, log=lambda *_: None)
-    trainer = GRPOTrainer(model=policy.model, processing_class=policy.tokenizer,
-                          reward_funcs=[get_reward(n) for n in cfg.grpo.reward_funcs],
-                          args=grpo_args(cfg, tmp_path / "out"), train_dataset=data["train"], experiment=cfg)
-    trainer.current_gradient_accumulation_steps = 1
-    trainer.model.train()
-    return trainer
 
 
 @pytest.fixture(scope="module")
