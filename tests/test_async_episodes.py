@@ -200,7 +200,7 @@ def test_sync_and_async_trainers_sample_identical_episodes_for_the_same_seed(tmp
     """The same policy, seed and batch: the sync trainer's in-process episodes and the async trainer's (round 0,
     from the generator process) have the same token ids, environment masks, turns and rewards, and log-probs to
     float rounding; the async trainer's round 1 was submitted ahead with its rows."""
-    from tests.env_trainers import make_trainer
+    from tests.trainers import environment_trainer as make_trainer
 
     sync = make_trainer(tmp_path / "sync")
     threads = torch.get_num_threads()
@@ -230,7 +230,7 @@ def test_a_stale_round_of_episodes_is_generated_again_whole_with_current_weights
     the first weights, is one version old at step 1, so it is dropped and every episode is generated again with the
     current weights: every model token's recorded log-prob is the new policy's (none is the old policy's, which
     differs), across all turns."""
-    from tests.env_trainers import make_trainer
+    from tests.trainers import environment_trainer as make_trainer
 
     trainer = make_trainer(tmp_path, **ASYNC, **{"grpo.temperature": 1.0})
     trainer.experiment.async_.max_staleness = 0

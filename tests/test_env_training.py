@@ -15,7 +15,7 @@ from grpo.environments.metrics import episode_metrics
 from grpo.training.train import grpo_args
 from grpo.training.trainer import GRPOTrainer
 from tests.conftest import MICRO
-from tests.env_trainers import make_trainer
+from tests.trainers import environment_trainer as make_trainer
 
 pytestmark = pytest.mark.integration
 

@@ -7,28 +7,15 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from trl.trainer.utils import split_tensor_dict
 
 from grpo.algo.group_balancing import split_by_token_budget
-from grpo.config import load_config
-from grpo.pipeline.data import load_data
-from grpo.rewards import get_reward
-from grpo.training.policy import load_policy
-from grpo.training.train import grpo_args
 from grpo.training.trainer import GRPOTrainer
-from tests.conftest import MICRO, micro_overrides
-from trl.trainer.utils import split_tensor_dict
+from tests.trainers import micro_trainer
 
 
 def make_trainer(tmp_path, **extra) -> GRPOTrainer:
-    cfg = load_config(MICRO, micro_overrides(tmp_path, **{"model.warm_start.steps": 200, **extra}))
-    data = load_data(cfg)
-    policy = load_policy(cfg, data, log=lambda *_: None)
-    trainer = GRPOTrainer(model=policy.model, processing_class=policy.tokenizer,
-                          reward_funcs=[get_reward(n) for n in cfg.grpo.reward_funcs],
-                          args=grpo_args(cfg, tmp_path / "out"), train_dataset=data["train"], experiment=cfg)
-    trainer.current_gradient_accumulation_steps = 1
-    trainer.model.train()
-    return trainer
+    return micro_trainer(tmp_path, {"model.warm_start.steps": 200, **extra})
 
 
 def gradients(trainer: GRPOTrainer, batch) -> torch.Tensor:
