@@ -55,7 +55,8 @@ class DataConfig(_Section):
     source: str = Field(
         "synthetic:addition",
         description="'synthetic:addition' (answers are the sum), 'synthetic:addition_cot' (answers show the "
-        "column-by-column work, ~17 tokens: a reasoning-style, generation-heavy task), a local "
+        "column-by-column work, ~17 tokens: a reasoning-style, generation-heavy task), 'synthetic:guess_digit' "
+        "(a hidden digit per row, for the guess_digit environment), a local "
         ".jsonl/.json/.parquet/.csv file, or 'hub:DATASET_ID' (downloads).",
     )
     hub_config: str | None = Field(None, description="Dataset config name for hub sources (e.g. 'main' for GSM8K).")
@@ -103,7 +104,13 @@ class DataConfig(_Section):
                 )
             if not path.is_file():
                 raise ValueError(f"source: file does not exist: {s}")
-        if self.synthetic and self.num_train + self.num_eval > (self.max_operand + 1) ** 2:
+        if s == "synthetic:guess_digit":
+            from grpo.tasks import GUESS_DIGIT_IDS
+
+            if self.num_train + self.num_eval > GUESS_DIGIT_IDS:
+                raise ValueError(f"num_train: num_train + num_eval = {self.num_train + self.num_eval} exceeds the "
+                                 f"{GUESS_DIGIT_IDS} distinct synthetic:guess_digit rows")
+        elif self.synthetic and self.num_train + self.num_eval > (self.max_operand + 1) ** 2:
             raise ValueError(
                 f"num_train: num_train + num_eval = {self.num_train + self.num_eval} exceeds the "
                 f"{(self.max_operand + 1) ** 2} distinct problems with max_operand={self.max_operand}"
