@@ -479,8 +479,23 @@ class EvaluationConfig(_Section):
     pass_k_temperature: float = Field(1.0, gt=0)
     """Sampling temperature for pass@k."""
     correctness_reward: str = Field(
-        "exact_match", description="Reward whose full marks (>= 1) count as correct.", json_schema_extra=reward_enum
+        "exact_match", description="Reward whose full marks (>= 1) count as correct (with an environment: the "
+        "environment's own reward instead).", json_schema_extra=reward_enum
     )
+    environment_variants: dict[str, dict[str, Any]] = Field(
+        {}, description="With an environment: more greedy evaluations, each with the environment's kwargs "
+        "overridden, by name, e.g. {tool_off: {tool: off}} for calculator reports eval/env/tool_off/accuracy, "
+        "turns_mean, tool_call_rate before and after training."
+    )
+
+    @field_validator("environment_variants")
+    @classmethod
+    def _variant_names(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for name in value:  # a metric name's part: eval/env/<name>/accuracy
+            if not name.isidentifier():
+                raise ValueError(f"environment_variants: {name!r} is not a valid variant name; use letters, digits "
+                                 "and _ (it becomes part of the metric name eval/env/<name>/accuracy)")
+        return value
 
 
 class TrackingConfig(_Section):
