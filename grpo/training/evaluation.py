@@ -211,6 +211,7 @@ def evaluate_environment(
     step_timeout: float | None = 60.0,
     max_workers: int = 16,
     num_samples_to_keep: int = 16,
+    generate_with: Callable[[bool, float], Callable[..., list]] | None = None,
 ) -> EvalResult:
     """One greedy episode per prompt in ``environment`` (a registered name, built with ``kwargs``; a row's
     ``environment`` column routes it elsewhere, with that environment's defaults): accuracy is the fraction the
@@ -218,7 +219,9 @@ def evaluate_environment(
     ``pass_k > 0``, k sampled episodes per prompt give pass@k and ``env["sampled_success"]`` (the mean success of
     single sampled episodes: the rate GRPO's groups see). Each of ``variants`` (name -> kwargs overrides, e.g.
     ``{"tool_off": {"tool": "off"}}``) runs the greedy episodes again with ``kwargs | overrides``:
-    ``env["<name>/accuracy"]``, ``env["<name>/turns_mean"]``, ... ."""
+    ``env["<name>/accuracy"]``, ``env["<name>/turns_mean"]``, ... . ``generate_with(do_sample, temperature)``
+    gives the episode runner's ``generate`` (default: :func:`episode_generator` of ``model``; another rollout
+    engine can evaluate through its own)."""
     from grpo.environments import make_environment
     from grpo.environments.episodes import run_episodes
 
@@ -238,15 +241,19 @@ def evaluate_environment(
                             max_completion_length=max_completion_length, step_timeout=step_timeout,
                             max_workers=max_workers)
 
-    greedy_gen = episode_generator(model, tokenizer, do_sample=False, batch_size=batch_size)
+    if generate_with is None:
+        def generate_with(do_sample: bool, temperature: float) -> Callable[..., list]:
+            return episode_generator(model, tokenizer, do_sample=do_sample, temperature=temperature,
+                                     batch_size=batch_size)
+
+    greedy_gen = generate_with(False, 1.0)
     greedy = episodes(base, greedy_gen)
     figures = episode_figures(greedy)
     accuracy = figures.pop("accuracy")
     env = dict(figures)
     pass_at_k = None
     if pass_k > 0:
-        sampled_gen = episode_generator(model, tokenizer, do_sample=True, temperature=pass_k_temperature,
-                                        batch_size=batch_size)
+        sampled_gen = generate_with(True, pass_k_temperature)
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             sampled = episodes(base, sampled_gen, repeat=pass_k)
