@@ -136,6 +136,17 @@ def _fit(t: torch.Tensor, width: int, left: bool, value: float) -> torch.Tensor:
     return torch.cat([pad, t], 1) if left else torch.cat([t, pad], 1)
 
 
+def _completion_aligned(name: str) -> bool:
+    """Per-token tensors laid out like the completion (right-padded) besides ``completion_*``."""
+    return name.endswith("per_token_logps") or name == "tool_mask"
+
+
+def _pad_value(name: str, pad_token_id: int) -> int:
+    if name.endswith("_ids"):
+        return pad_token_id
+    return 1 if name == "tool_mask" else 0  # TRL pads tool_mask with 1 (masked by completion_mask anyway)
+
+
 def place_group(batch: dict[str, Any], rows: slice, group: dict[str, torch.Tensor], pad_token_id: int) -> None:
     """Write a buffered group into ``batch[rows]``, widening the batch's prompt/completion tensors if needed."""
     for key, left in (("prompt", True), ("completion", False)):
@@ -143,12 +154,15 @@ def place_group(batch: dict[str, Any], rows: slice, group: dict[str, torch.Tenso
         for name, tensor in list(batch.items()):
             if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
                 continue
-            if name.startswith(key) or (key == "completion" and name.endswith("per_token_logps")):
-                value = pad_token_id if name.endswith("_ids") else 0
-                batch[name] = _fit(tensor, width, left, value)
+            if name.startswith(key) or (key == "completion" and _completion_aligned(name)):
+                batch[name] = _fit(tensor, width, left, _pad_value(name, pad_token_id))
         names = [f"{key}_ids", f"{key}_mask"]
         if key == "completion":
             names += [n for n in group if n.endswith("per_token_logps") and n in batch]
+            if "tool_mask" in batch:  # an episode's environment tokens stay out of the loss when replayed
+                tool_mask = group.get("tool_mask")
+                if tool_mask is None:  # a single-turn group: every token is the model's
+                    tool_mask = torch.ones_like(group["completion_mask"])
+                batch["tool_mask"][rows] = _fit(tool_mask.to(batch["tool_mask"].device), width, left, 1)
         for name in names:
-            value = pad_token_id if name.endswith("_ids") else 0
-            batch[name][rows] = _fit(group[name].to(batch[name].device), width, left, value)
+            batch[name][rows] = _fit(group[name].to(batch[name].device), width, left, _pad_value(name, pad_token_id))

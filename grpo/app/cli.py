@@ -130,12 +130,23 @@ def _stoppable(saved: str):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _load(config: Path | None, overrides: list[str] | None, reward_modules: list[Path] | None):
+def _load(config: Path | None, overrides: list[str] | None, reward_modules: list[Path] | None,
+          env_modules: list[Path] | None = None):
     from grpo.config import load_config
     from grpo.rewards import load_reward_module
 
     for module in reward_modules or []:
         load_reward_module(module)
+    if env_modules:
+        from grpo.environments import MODULES_ENV, load_environment_module
+
+        for module in env_modules:
+            load_environment_module(module)
+        # Processes started from here (the async generator, reward workers, torchrun ranks' children) register the
+        # same environments and tools: they read GRPO_ENV_MODULES, as a served flow run reads its server's.
+        listed = [p for p in os.environ.get(MODULES_ENV, "").split(os.pathsep) if p]
+        added = [str(Path(m).resolve()) for m in env_modules if str(Path(m).resolve()) not in listed]
+        os.environ[MODULES_ENV] = os.pathsep.join(listed + added)
     return load_config(config, overrides or [])
 
 
@@ -146,13 +157,14 @@ def run(
     run_name: Annotated[Optional[str], typer.Option("--run-name", help="Run directory name (default: <name>-<time>).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an existing run from its last checkpoint.")] = False,
     reward_module: RewardModuleOpt = None,
+    env_module: EnvModuleOpt = None,
 ) -> None:
     """Run the pipeline (prep → plan → train → eval) as a Prefect flow run tracked in MLflow.
 
     Under torchrun or accelerate launch every rank runs the same stages in-process instead (rank 0 writes).
     """
     try:
-        cfg = _load(config, set_, reward_module)
+        cfg = _load(config, set_, reward_module, env_module)
         from grpo import distributed
         from grpo.runs import check_run_dir, default_run_name, open_run_dir, validate_run_name
 
@@ -230,10 +242,11 @@ def sweep(
     storage: Annotated[Optional[str], typer.Option("--storage", help="Optuna storage URL (default: sqlite:///<output_dir>/optuna.db).")] = None,
     set_: SetOpt = None,
     reward_module: RewardModuleOpt = None,
+    env_module: EnvModuleOpt = None,
 ) -> None:
     """Run one pipeline per trial of a search space (Prefect flow grpo-sweep), nested under one MLflow run."""
     try:
-        cfg = _load(config, set_, reward_module)
+        cfg = _load(config, set_, reward_module, env_module)
         from grpo.errors import RunDirectoryError
         from grpo.runs import validate_run_name
         from grpo.pipeline.sweep_space import load_space, validate_space
@@ -302,10 +315,11 @@ def sweep(
 
 
 @app.command()
-def validate(config: ConfigOpt, set_: SetOpt = None, reward_module: RewardModuleOpt = None) -> None:
+def validate(config: ConfigOpt, set_: SetOpt = None, reward_module: RewardModuleOpt = None,
+             env_module: EnvModuleOpt = None) -> None:
     """Check a config without building anything; prints the resolved YAML."""
     try:
-        cfg = _load(config, set_, reward_module)
+        cfg = _load(config, set_, reward_module, env_module)
     except GRPOPlatformError as err:
         _fail(str(err))
     from grpo.config import to_yaml
@@ -320,11 +334,12 @@ def plan(
     out: Annotated[Optional[Path], typer.Option("--out", help="Plan directory (default: <output_dir>/plans/<name>).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing plan.")] = False,
     reward_module: RewardModuleOpt = None,
+    env_module: EnvModuleOpt = None,
 ) -> None:
     """Write the prompt schedule (plan.parquet + plan.json) over the prepared training rows a run trains on,
     checking that the config fits the dataset."""
     try:
-        cfg = _load(config, set_, reward_module)
+        cfg = _load(config, set_, reward_module, env_module)
         from grpo.algo.plan import summary_table
         from grpo.pipeline.plans import default_plan_dir
         from grpo.pipeline.stages import cached_prep, plan_stage, plan_tokenizer, prep_summary

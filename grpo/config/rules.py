@@ -272,6 +272,34 @@ def chat_protocol_needs_a_chat_model(cfg: ExperimentConfig) -> None:
                          "tokenizer has no chat template: use environment.protocol: text")
 
 
+def environment_tools_need_a_tool_environment(cfg: ExperimentConfig) -> None:
+    """Protocol text: ``environment.tools`` join a ToolEnvironment's own tools (its ``[name(args)]`` call syntax);
+    another environment has no way to call them."""
+    env = cfg.environment
+    if not (env.enabled and env.protocol == "text" and env.tools):
+        return
+    from grpo.environments import ToolEnvironment, get_environment
+
+    factory = get_environment(env.name)
+    if not (isinstance(factory, type) and issubclass(factory, ToolEnvironment)):
+        raise ValueError(f"environment.tools: {env.name!r} is not a ToolEnvironment, so its episodes cannot call "
+                         f"tools; leave environment.tools empty or choose an environment with tools (calculator)")
+
+
+def chat_protocol_takes_trl_environments(cfg: ExperimentConfig) -> None:
+    """Protocol chat hands the environment to TRL's ``environment_factory``, whose public methods become the model's
+    tools; a text-protocol environment (``step(action)``) would expose ``step`` as a tool and never be stepped."""
+    env = cfg.environment
+    if not (env.enabled and env.protocol == "chat"):
+        return
+    from grpo.environments import get_environment
+
+    if callable(getattr(get_environment(env.name), "step", None)):
+        raise ValueError(f"environment.protocol 'chat': {env.name!r} is a text-protocol environment (step(action)); "
+                         f"TRL's tool loop calls an environment's public methods as tools: use environment.protocol: "
+                         f"text, or an environment written for TRL's environment_factory")
+
+
 # ---------------------------------------------------------------- model and prompts
 
 
@@ -404,6 +432,8 @@ RULES: tuple[Callable[[ExperimentConfig], None], ...] = (
     environment_is_registered,
     environment_variants_build,
     chat_protocol_needs_a_chat_model,
+    environment_tools_need_a_tool_environment,
+    chat_protocol_takes_trl_environments,
 )
 
 

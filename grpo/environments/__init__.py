@@ -19,7 +19,7 @@ options, returning one instance per concurrent episode.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,15 @@ def get_tool(name: str) -> Tool:
     return TOOLS.get(name)
 
 
+def environment_alphabet(names: Iterable[str], tools: Iterable[str] = ()) -> str:
+    """The characters the environments ``names`` write or parse (their ``alphabet``) and the names of the extra
+    ``tools`` (the model writes ``[name(args)]``): what a character-level tokenizer built for a task must add."""
+    chars = set("".join(tools))
+    for name in names:
+        chars.update(getattr(get_environment(name), "alphabet", "") or "")
+    return "".join(sorted(chars))
+
+
 def tool_schema(tool: Tool | str) -> dict[str, Any]:
     """The tool's JSON schema from its signature and docstring (transformers' ``get_json_schema``, what TRL renders
     into a chat template's tools)."""
@@ -100,6 +109,6 @@ from grpo.environments import builtin  # noqa: E402,F401  (registers the built-i
 
 __all__ = [
     "ENVIRONMENTS", "MODULES_ENV", "TOOLS", "Environment", "StepResult", "ToolCall", "ToolEnvironment",
-    "available_environments", "available_tools", "get_environment", "get_tool", "load_environment_module",
+    "available_environments", "available_tools", "environment_alphabet", "get_environment", "get_tool", "load_environment_module",
     "make_environment", "register_environment", "register_tool", "tool_schema",
 ]

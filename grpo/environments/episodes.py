@@ -73,6 +73,8 @@ class Episode:
     error: str | None = None
     transcript: list[tuple[str, str]] = field(default_factory=list)
     tool_seconds: dict[str, float] = field(default_factory=dict, compare=False)
+    environment: str | None = None
+    """The registered name of the episode's environment, set by whoever chose it (for per-environment metrics)."""
 
     @property
     def truncated(self) -> bool:

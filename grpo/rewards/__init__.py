@@ -97,18 +97,18 @@ def digits_format(completions, **kwargs) -> list[float]:
     return [float(re.fullmatch(r"-?\d+", _text(c).strip()) is not None) for c in completions]
 
 
+@register_reward("env_reward")
+def env_reward(completions, env_reward=None, **kwargs) -> list[float | None]:
+    """The environment's own reward of each episode (``environment`` section: the sum of its steps' rewards, the
+    column ``env_reward`` the episode runner adds). None (not applicable) without an environment, and for an
+    episode whose environment failed (NaN): the group statistics leave it out."""
+    if env_reward is None:
+        return [None] * len(completions)
+    return [None if r is None or r != r else float(r) for r in env_reward]
+
+
 @register_reward("answer_tag_format")
 def answer_tag_format(completions, **kwargs) -> list[float]:
     """1.0 when the completion has reasoning followed by exactly one ``<answer>...</answer>`` block, else 0.0."""
     pattern = re.compile(r"^(?s:.*?)<answer>\s*[^<]+?\s*</answer>\s*$")
     return [float(pattern.match(_text(c).strip()) is not None) for c in completions]
-
-
-@register_reward("env_reward")
-def env_reward(completions, env_reward=None, **kwargs) -> list[float | None]:
-    """The environment's own reward of each episode (the ``env_reward`` column the episode runner passes, e.g.
-    calculator: 1 for the row's answer; guess_digit: 1 on ``=``). None where there is none: a single-turn rollout, or
-    an episode whose environment failed (NaN), which the group statistics leave out."""
-    if env_reward is None:
-        return [None] * len(completions)
-    return [None if r is None or r != r else float(r) for r in env_reward]

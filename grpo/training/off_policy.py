@@ -21,6 +21,13 @@ import torch
 from grpo.algo.off_policy import importance_weights
 
 
+def loss_mask(batch: dict[str, Any]) -> torch.Tensor:
+    """TRL's loss mask: the completion's tokens less the environment's (``tool_mask`` 0: tool results, an
+    environment's observations), which carry no gradient, no IS ratio and no share of the normaliser."""
+    mask = batch["completion_mask"]
+    return mask * batch["tool_mask"] if "tool_mask" in batch else mask
+
+
 class OffPolicyCorrection:
     """Mixin of :class:`grpo.training.trainer.GRPOTrainer`."""
 
@@ -82,7 +89,7 @@ class OffPolicyCorrection:
         """Scale ``batch["advantages"]`` per token by the IS weight of trainer log-probs ``old`` against the
         generator's; log the ratio's range and the clamped/masked fraction (and the OPSM fraction)."""
         a = self.experiment.async_
-        mask = batch["completion_mask"].float()
+        mask = loss_mask(batch).float()  # environment tokens: no sampling log-prob of the policy, no weight
         if a.off_policy_mask_threshold is not None:  # TRL applies the mask in its loss; this logs its first-pass size
             sampling = torch.nan_to_num(batch["sampling_per_token_logps"], nan=0.0)
             seq_kl = ((sampling - old) * mask).sum(1) / mask.sum(1).clamp(min=1.0)

@@ -165,14 +165,17 @@ def warm_start_pairs(data: DatasetDict, cfg: ExperimentConfig, tokenizer: PreTra
 
 
 def policy_alphabet(data: DatasetDict, cfg: ExperimentConfig) -> str:
-    """The tiny tokenizer's characters: the data's, and those the environment writes or parses
-    (``Environment.alphabet``: the tool call syntax, its answers and error words, feedback symbols)."""
+    """The tiny tokenizer's characters: the data's, and those of every environment the run can use (the config's
+    and those a row's ``environment`` column names) and its tools, so their observations and syntax are encodable
+    and writable by the policy (``Environment.alphabet``)."""
     alphabet = alphabet_of(data)
-    if cfg.environment.enabled:
-        from grpo.environments import get_environment
+    env = cfg.environment
+    if env.enabled:
+        from grpo.environments import environment_alphabet
 
-        extra = getattr(get_environment(cfg.environment.name), "alphabet", "")
-        alphabet = "".join(sorted(set(alphabet) | set(extra)))
+        names = {env.name, *(n for split in data.values() if "environment" in split.column_names
+                             for n in split["environment"] if n)}
+        alphabet = "".join(sorted(set(alphabet) | set(environment_alphabet(sorted(names), env.tools))))
     return alphabet
 
 

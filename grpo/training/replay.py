@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from grpo.algo.replay import ReplayBuffer, RerollBuffer, group_advantages, group_reward_std, inject_rerolls, place_group
+from grpo.training.off_policy import loss_mask
 
 
 class ReplayAndReroll:
@@ -71,14 +72,15 @@ class ReplayAndReroll:
             self._refresh_replayed(batch, replaced)
         # Recount the tokens the loss is normalised by on every rank, whether or not it replaced a group: a
         # collective joined only by the ranks that replaced one would wait forever for the others.
-        tokens = batch["completion_mask"].sum().float().reshape(1)
+        tokens = loss_mask(batch).sum().float().reshape(1)  # TRL's count: environment tokens left out
         batch["num_items_in_batch"] = self.accelerator.reduce(tokens, reduction="sum").squeeze(0)
 
         for g in (std > 0).nonzero().flatten().tolist():
             rows = slice(g * G, (g + 1) * G)
             score = float(advantages[g].abs().sum() * std[g])
-            group = {k: batch[k][rows].detach().cpu().clone() for k in
-                     ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", *per_token)}
+            stored = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", *per_token,
+                      *(("tool_mask",) if "tool_mask" in batch else ()))  # episodes keep their environment mask
+            group = {k: batch[k][rows].detach().cpu().clone() for k in stored}
             group["rewards"] = grouped[g].clone()
             self._replay.add(score, group)
         self._record("replay_buffer_replacements", float(len(replaced)))

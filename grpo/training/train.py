@@ -42,6 +42,9 @@ def grpo_args(cfg: ExperimentConfig, output_dir: Path, use_cpu: bool = True):
         off_policy_mask_threshold=cfg.async_.off_policy_mask_threshold,
         use_bias_correction_kl=cfg.async_.use_bias_correction_kl,
     )
+    env = cfg.environment
+    if env.enabled and env.protocol == "chat":  # TRL's tool loop reads its turn limit from GRPOConfig
+        kwargs["max_tool_calling_iterations"] = env.max_tool_calling_iterations
     kwargs.update(g.extra)
     from grpo.training.rollout_engines import engine_kind
 

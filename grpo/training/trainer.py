@@ -20,6 +20,7 @@ Each platform feature is one mixin module named after its config section, compos
 ``async.compact_zero_advantage``
 ``async.shared_prompt_forward``         :mod:`grpo.training.shared_prompt` (``SharedPromptForward``)
 ``grpo.num_generations_chunks``         :mod:`grpo.training.chunked_loss` (``ChunkedLoss``)
+``environment``                         :mod:`grpo.training.episodes` (``EnvironmentRollouts``)
 =====================================  ==============================================================
 
 This module keeps the sequence (sampler, generation batch, loss) readable top to bottom. Everything else (every
@@ -43,6 +44,7 @@ from grpo.config import ExperimentConfig
 from grpo.distributed import check_launch_matches_config
 from grpo.training.async_rollouts import AsyncRollouts
 from grpo.training.chunked_loss import ChunkedLoss
+from grpo.training.episodes import EnvironmentRollouts
 from grpo.training.off_policy import OffPolicyCorrection
 from grpo.training.replay import ReplayAndReroll
 from grpo.training.reward_scoring import RewardScoring
@@ -55,14 +57,16 @@ TESTED_TRL_VERSION = "1.16.0"
 # Every method of trl.GRPOTrainer this class overrides, and why. tests/test_layers.py checks the list against the
 # class (an override missing here fails) and against the pinned TRL (a hook renamed or re-signed upstream fails).
 TRL_HOOKS: dict[str, str] = {
-    "__init__": "wires the plan sampler, replay/re-roll buffers, the async producer and the reward pool",
+    "__init__": "wires the plan sampler, replay/re-roll buffers, the async producer, the reward pool and the "
+                "environment (rollout_func for protocol text, TRL's environment_factory/tools for chat)",
     "_get_train_sampler": "the sampler plan (plan.parquet) or the sequence-parallel repeat sampler",
     "get_train_dataloader": "keeps accelerate from sharding the rank-aware sampler's batches a second time",
     "_prepare_inputs": "TRL's schedule split in two: assemble a generation batch (re-rolls, replay, off-policy), then split it (balancing)",
     "_generate_single_turn": "async rollouts: completions produced ahead by the producer thread; in-process generate "
                             "prefills each distinct prompt once (async.shared_prompt_forward)",
     "_generate": "starts streaming reward scoring while the log-prob passes run",
-    "_calculate_rewards": "the persistent reward pool / streamed rewards instead of in-process calls",
+    "_calculate_rewards": "the persistent reward pool / streamed rewards instead of in-process calls; NaN rewards "
+                          "for episodes whose environment failed",
     "_compute_loss": "zero-advantage skip, balanced micro-batch weights and chunked backward; IS weights from the training forward",
     "_get_per_token_logps_and_entropies": "hands the training forward's log-probs to the deferred IS correction; runs "
                                           "each group's prompt once (async.shared_prompt_forward)",
@@ -71,7 +75,7 @@ TRL_HOOKS: dict[str, str] = {
 
 
 
-class GRPOTrainer(AsyncRollouts, RewardScoring, ReplayAndReroll, SeqlenBalancing, ZeroAdvantageSkip, ChunkedLoss,
+class GRPOTrainer(EnvironmentRollouts, AsyncRollouts, RewardScoring, ReplayAndReroll, SeqlenBalancing, ZeroAdvantageSkip, ChunkedLoss,
                   OffPolicyCorrection, SharedPromptForward, trl.GRPOTrainer):
     # OffPolicyCorrection after the others: every loss call passes through it; SharedPromptForward next to TRL: it
     # changes only how TRL's log-prob forward runs the model
@@ -88,6 +92,7 @@ class GRPOTrainer(AsyncRollouts, RewardScoring, ReplayAndReroll, SeqlenBalancing
         self._check_streaming_rewards(experiment, kwargs.get("reward_funcs"))
         self.experiment = experiment
         self.plan_path = Path(plan_path) if plan_path is not None else None
+        self._environment_trainer_kwargs(experiment, kwargs)
         super().__init__(*args, **kwargs)
         self._init_replay()
         self._init_reward_scoring()
@@ -188,7 +193,11 @@ class GRPOTrainer(AsyncRollouts, RewardScoring, ReplayAndReroll, SeqlenBalancing
         if training and self._reroll is not None:
             inputs = self._inject_rerolls(inputs)
         self._stream_inputs = inputs if training and self._streaming else None
-        batch = self._generate_and_score_completions(inputs)
+        self._rollout_rows = inputs  # an environment's episodes start from the rows (reset(**row))
+        try:
+            batch = self._generate_and_score_completions(inputs)
+        finally:
+            self._rollout_rows = None
         if training and (self._replay is not None or self._reroll is not None):
             rewards = self._local_rewards(len(inputs))
             if self._reroll is not None:

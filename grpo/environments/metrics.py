@@ -1,0 +1,73 @@
+"""Episode statistics for training metrics and traces: one function, :func:`episode_metrics`, that every rollout path
+(the sync trainer, the async generator, vLLM) and the tracking modules use, so a figure means the same everywhere.
+
+Rates are per episode, so they compare across batch sizes and ranks:
+
+=====================================  ==========================================================================
+``env/tools/call_frequency``           tool calls per episode (an unknown tool name is a call, as in TRL's count)
+``env/tools/failure_frequency``        failed calls (the tool raised, or no tool has that name) per call
+``env/turns/mean``, ``env/turns/max``  model turns per episode
+``env/env_tokens/mean``                environment tokens per episode (not trained on, not completion length)
+``env/truncated_frac``                 episodes cut off by the turn or token budget
+``env/errors``                         episodes ended by an environment error (reward NaN) per episode
+``env/unknown_tool_calls``             calls naming no tool of the environment, per episode
+``env/tools/<tool>/calls``             calls of that tool per episode
+``env/tools/<tool>/failures``          its calls that raised, per episode
+``env/tools/<tool>/latency_s``         its mean wall-clock seconds per call
+``env/<environment>/reward_mean``      mean reward of that environment's scored episodes (NaN ones left out)
+=====================================  ==========================================================================
+
+Per-tool and per-environment entries appear for the tools called and the environments whose episodes were scored in
+the batch; no value is NaN (TRL averages a logging step's values, and one NaN would hide the others).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from grpo.environments.episodes import Episode
+
+
+def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """The statistics above for ``episodes`` (an empty batch gives an empty dict). An episode's environment name is
+    its ``environment`` attribute (None: left out of the per-environment rewards)."""
+    n = len(episodes)
+    if n == 0:
+        return {}
+    calls: dict[str, int] = {}
+    failures: dict[str, int] = {}
+    seconds: dict[str, float] = {}
+    for ep in episodes:
+        for name, count in ep.tool_calls.items():
+            calls[name] = calls.get(name, 0) + count
+            seconds[name] = seconds.get(name, 0.0) + ep.tool_seconds.get(name, 0.0)
+        for name, count in ep.tool_failures.items():
+            failures[name] = failures.get(name, 0) + count
+    unknown = sum(ep.unknown_tool_calls for ep in episodes)
+    all_calls = sum(calls.values()) + unknown
+    out = {
+        "env/tools/call_frequency": all_calls / n,
+        "env/tools/failure_frequency": (sum(failures.values()) + unknown) / all_calls if all_calls else 0.0,
+        "env/turns/mean": sum(ep.turns for ep in episodes) / n,
+        "env/turns/max": float(max(ep.turns for ep in episodes)),
+        "env/env_tokens/mean": sum(ep.env_tokens for ep in episodes) / n,
+        "env/truncated_frac": sum(ep.truncated for ep in episodes) / n,
+        "env/errors": sum(ep.error is not None for ep in episodes) / n,
+        "env/unknown_tool_calls": unknown / n,
+    }
+    for name in sorted(calls):
+        out[f"env/tools/{name}/calls"] = calls[name] / n
+        out[f"env/tools/{name}/failures"] = failures.get(name, 0) / n
+        out[f"env/tools/{name}/latency_s"] = seconds[name] / calls[name] if calls[name] else 0.0
+    rewards: dict[str, list[float]] = {}
+    for ep in episodes:
+        name = getattr(ep, "environment", None)
+        if name is not None and ep.reward is not None and not math.isnan(ep.reward):
+            rewards.setdefault(name, []).append(ep.reward)
+    for name in sorted(rewards):
+        out[f"env/{name}/reward_mean"] = math.fsum(rewards[name]) / len(rewards[name])
+    return out
+
+
+__all__ = ["episode_metrics"]
