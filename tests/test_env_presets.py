@@ -192,3 +192,27 @@ def test_the_evaluation_stage_reports_the_environment_figures_before_and_after(p
         flat = key.replace("/", "_")
         assert summary[f"eval_env_{flat}_before"] == before["env"][key]
         assert summary[f"eval_env_{flat}_after"] == before["env"][key] / 2
+
+
+@pytest.mark.integration
+def test_a_short_calculator_run_trains_on_episodes_and_reports_the_environment_before_and_after(tmp_path, monkeypatch):
+    """The tiny-calculator preset, shortened (tiny model, a few GRPO steps): the recipe trains on episodes (the
+    episode metrics are logged), the environment's reward is the reward, and summary.json has the environment's
+    figures before and after, the tool-off variant included. Learning itself is measured in the README's figures."""
+    from grpo.pipeline.experiment import run_experiment
+    from grpo.runs import open_run_dir
+
+    monkeypatch.setenv("GRPO_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = tiny_cfg("tiny-calculator", tmp_path, "grpo.max_steps=3", "grpo.logging_steps=1", "grpo.save_steps=1000",
+                   "grpo.per_device_train_batch_size=16", "grpo.num_generations=4")
+    run = open_run_dir(cfg, "calc-smoke", resume=False)
+    summary = run_experiment(cfg, run, log=lambda *_: None)
+    assert summary["steps"] == 3
+    assert {"rewards/env_reward/mean", "env/turns/mean", "env/tools/call_frequency"} <= set(summary["metrics"])
+    for when in ("before", "after"):
+        for key in ("turns_mean", "tool_call_rate", "sampled_success", "tool_off_accuracy", "tool_off_tool_call_rate"):
+            assert 0.0 <= summary[f"eval_env_{key}_{when}"] <= cfg.environment.max_turns, (key, when)
+    rows = [json.loads(line) for line in run.metrics_file.read_text().splitlines()]
+    assert [r["metrics"]["rewards/env_reward/mean"] for r in rows if "rewards/env_reward/mean" in r["metrics"]]
+    after = json.loads((run.path / "eval_after.json").read_text())
+    assert after["env"]["tool_off/accuracy"] == summary["eval_env_tool_off_accuracy_after"]
