@@ -34,6 +34,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script by torchrun: make ``tests`` and ``grpo`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from grpo.environments import register_environment
+from grpo.environments.builtin import GuessDigitEnvironment
 from grpo.rewards import register_reward
 from tests.pairwise import Row, pairwise_design
 
@@ -138,10 +140,13 @@ def config_dict(row: Row, world: int, steps: int, timeout_s: int) -> dict:
     data["model"]["warm_start"]["steps"] = 0
     if row.get("lora"):  # probes only (not a pairwise option)
         data["model"]["lora"] = {"enabled": True, "r": 4, "alpha": 8}
+    if row.get("env"):  # probes only: multi-turn episodes (environment tokens masked out of the loss)
+        data["environment"] = {"name": row["env"], "step_timeout": timeout_s}
     data["evaluation"] = {"enabled": False}
     data["sampling"] = {"world_size": world, "seqlen_balancing": row["balancing"]}
     data["grpo"].update({
-        "max_steps": steps, "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 4,
+        "max_steps": steps, "per_device_train_batch_size": 8, "num_generations": 4,
+        "max_completion_length": 8 if row.get("env") else 4,
         "gradient_accumulation_steps": row["ga"], "steps_per_generation": row["spg"], "learning_rate": 0.05,
         "logging_steps": 1, "save_steps": 1000, "loss_type": row["loss_type"], "beta": row["beta"],
         "num_generations_chunks": row["chunks"], "reward_funcs": ["invariant_probe"], "extra": extra,
@@ -178,7 +183,16 @@ PROBES: dict[str, Row] = {
     # against the base with the adapter disabled (beta > 0) and chunks (compared with the unchunked LoRA step)
     "lora_async_kl_chunks": {**BASE, "lora": True, "async": True, "is_mode": "token_truncate", "beta": 0.04,
                              "chunks": 2, "ga": 2, "shared_prompt": True},
+    # environment (#30): guess_digit episodes (every digit ends a turn and gets '<'/'>'/'=' back, so the random
+    # policy's episodes hold environment tokens) with GA 2, chunks, compaction and the shared-prompt forward
+    # (compared with the plain environment step); on 2 processes with balancing too
+    "env_ga2_chunks_compact_shared": {**BASE, "env": "guess_digit", "ga": 2, "chunks": 2, "compact": True,
+                                      "shared_prompt": True},
+    "env_ga1_balancing_skip": {**BASE, "env": "guess_digit", "balancing": True, "skip": True},
+    # an environment that fails on rank 1 only (reward NaN for those episodes): the run goes on, ranks stay identical
+    "env_failing_on_one_rank": {**BASE, "env": "invariant_flaky", "chunks": 2, "ga": 2},
 }
+ENV_PROBES = [name for name, row in PROBES.items() if row.get("env")]
 
 
 # ---------------------------------------------------------------------------------------------- the driver
@@ -196,6 +210,16 @@ def invariant_probe(prompts, completions, **kwargs):
 
 
 register_reward("invariant_probe")(invariant_probe)
+
+
+@register_environment("invariant_flaky")
+class FlakyGuessDigit(GuessDigitEnvironment):
+    """guess_digit whose reset raises on rank 1 for a third of the prompts (an environment down on one rank)."""
+
+    def reset(self, **row):
+        if int(os.environ.get("RANK", "0")) == 1 and zlib.crc32(str(row.get("prompt")).encode()) % 3 == 0:
+            raise ConnectionError("environment server down")
+        return super().reset(**row)
 
 
 def _param_vector(model) -> "torch.Tensor":
@@ -272,10 +296,12 @@ def run_one(row: Row, world: int, steps: int, shared: dict, timeout_s: int) -> d
             return super().assemble_generation_batch(inputs)
 
     cfg = config_from_dict(config_dict(row, world, steps, timeout_s), "matrix row")
+    if row.get("env"):  # the environment's characters are in its tokenizer: another tiny model
+        shared = {**shared, **shared["env"]}
     model = copy.deepcopy(shared["model"])
     torch.manual_seed(0)
-    out_dir = shared["tmp"] / f"run-{shared['count']}"
-    shared["count"] += 1
+    out_dir = shared["tmp"] / f"run-{shared['counter'][0]}"
+    shared["counter"][0] += 1
     trainer = ProbeTrainer(model=model, processing_class=shared["tokenizer"], reward_funcs=[invariant_probe],
                            args=grpo_args(cfg, out_dir), train_dataset=shared["train"], experiment=cfg,
                            peft_config=peft_config(cfg))
@@ -330,8 +356,18 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
     if rank != 0:
         policy = load_policy(base_cfg, data, log=lambda *_: None)
-    shared = {"model": policy.model, "tokenizer": policy.tokenizer, "train": data["train"], "count": 0,
+    shared = {"model": policy.model, "tokenizer": policy.tokenizer, "train": data["train"], "counter": [0],
               "tmp": Path(tempfile.mkdtemp(prefix=f"matrix-{rank}-"))}
+    env_rows = [row for _, row in rows if row.get("env")]
+    if env_rows:
+        env_cfg = config_from_dict(config_dict(env_rows[0], world, 1, args.timeout), "matrix environment")
+        if rank == 0:
+            env_policy = load_policy(env_cfg, data, log=lambda *_: None)
+        if world > 1:
+            dist.barrier()
+        if rank != 0:
+            env_policy = load_policy(env_cfg, data, log=lambda *_: None)
+        shared["env"] = {"model": env_policy.model, "tokenizer": env_policy.tokenizer}
     references: dict[str, torch.Tensor] = {}
     out = Path(args.out)
 
@@ -350,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
                           replaced=_metric_total(probe.logs, "replay_buffer_replacements"),
                           skipped=_metric_total(probe.logs, "skipped_zero_adv_batches"),
                           compacted=_metric_total(probe.logs, "compaction/rows_skipped_frac"),
-                          rerolled=_metric_total(probe.logs, "reroll_injected"))
+                          rerolled=_metric_total(probe.logs, "reroll_injected"),
+                          env_tokens=_metric_total(probe.logs, "env/env_tokens/mean"),
+                          env_errors=_metric_total(probe.logs, "env/errors"))
             neutral = neutral_options(row, world)
             if neutral:
                 ref_row = reference(row, neutral)

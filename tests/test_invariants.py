@@ -16,7 +16,7 @@ import pytest
 
 from grpo.config import config_from_dict
 from grpo.errors import ConfigError
-from tests.invariant_matrix import BASE, KNOWN_GAPS, OPTIONS, PROBES, REFUSED, config_dict, design, name_of, steps_for
+from tests.invariant_matrix import BASE, ENV_PROBES, KNOWN_GAPS, OPTIONS, PROBES, REFUSED, config_dict, design, name_of, steps_for
 from tests.pairwise import all_pairs, pairs_of
 from tests.servers import free_port
 
@@ -57,7 +57,8 @@ FULL = os.environ.get("GRPO_MATRIX_FULL") == "1"
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict[str, dict]:
-    return _launch(tmp_path_factory.mktemp("matrix1"), 1, "pairwise" if FULL else "pairwise-sync", 0)
+    return _launch(tmp_path_factory.mktemp("matrix1"), 1, ",".join(["pairwise" if FULL else "pairwise-sync",
+                                                                     *ENV_PROBES]), 0)
 
 
 def _record(report: dict[str, dict], name: str) -> dict:
@@ -140,6 +141,24 @@ def test_lora_under_ddp_keeps_ranks_identical_with_the_async_generator(two_proce
     assert len({h[0] for h in record["hashes"]}) == record["steps"]  # the weights moved every step
     assert record["allreduces"] == [plain["allreduces"][0]] * record["steps"]
     assert record["neutral"] == ["chunks", "shared_prompt"] and record["neutral_rel"] < REL
+
+
+@pytest.mark.parametrize("launch", ["one_process", "two_processes"])
+def test_environment_episodes_keep_ranks_identical_and_neutral_features_neutral(launch, request):
+    """Multi-turn episodes (#30): every rank holds the same weights after every step, one gradient synchronisation
+    per step, and chunks, compaction, the shared-prompt forward (and on 2 processes balancing and the zero-advantage
+    skip) leave the step with environment tokens unchanged."""
+    report = request.getfixturevalue(launch)
+    for name in ENV_PROBES:
+        record = _record(report, name)
+        assert record["steps"] == steps_for(PROBES[name])
+        assert all(len(set(h)) == 1 for h in record["hashes"]), record["hashes"]
+        assert len({h[0] for h in record["hashes"]}) >= 2  # the weights moved (the skip probe skips a flat round)
+        assert record["env_tokens"] > 0, "no environment token: the probe tested single-turn completions"
+        assert record.get("neutral") and record["neutral_rel"] < REL, record
+    if launch == "two_processes":
+        assert "balancing" in _record(report, "env_ga1_balancing_skip")["neutral"]
+        assert _record(report, "env_failing_on_one_rank")["env_errors"] > 0  # failed on rank 1, and nothing hung
 
 
 # ---------------------------------------------------------------------------------------------- the matrix

@@ -12,7 +12,12 @@ import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from grpo.config.trl_and_rewards import check_environment_builds, check_environment_names, check_reward_names
+from grpo.config.trl_and_rewards import (
+    check_environment_builds,
+    check_environment_names,
+    check_reward_names,
+    environment_kind,
+)
 
 if TYPE_CHECKING:
     from grpo.config.sections import ExperimentConfig
@@ -278,10 +283,7 @@ def environment_tools_need_a_tool_environment(cfg: ExperimentConfig) -> None:
     env = cfg.environment
     if not (env.enabled and env.protocol == "text" and env.tools):
         return
-    from grpo.environments import ToolEnvironment, get_environment
-
-    factory = get_environment(env.name)
-    if not (isinstance(factory, type) and issubclass(factory, ToolEnvironment)):
+    if not environment_kind(env.name)[0]:
         raise ValueError(f"environment.tools: {env.name!r} is not a ToolEnvironment, so its episodes cannot call "
                          f"tools; leave environment.tools empty or choose an environment with tools (calculator)")
 
@@ -292,9 +294,7 @@ def chat_protocol_takes_trl_environments(cfg: ExperimentConfig) -> None:
     env = cfg.environment
     if not (env.enabled and env.protocol == "chat"):
         return
-    from grpo.environments import get_environment
-
-    if callable(getattr(get_environment(env.name), "step", None)):
+    if environment_kind(env.name)[1]:
         raise ValueError(f"environment.protocol 'chat': {env.name!r} is a text-protocol environment (step(action)); "
                          f"TRL's tool loop calls an environment's public methods as tools: use environment.protocol: "
                          f"text, or an environment written for TRL's environment_factory")

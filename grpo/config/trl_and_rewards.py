@@ -23,6 +23,7 @@ __all__ = [
     "check_environment_builds",
     "check_environment_names",
     "check_reward_names",
+    "environment_kind",
     "environment_enum",
     "reward_enum",
     "tool_enum",
@@ -151,6 +152,15 @@ def trl_help(schema: dict[str, Any]) -> None:
                     break
                 short += ". " + more
             prop["description"] = short.rstrip(".") + " (TRL)"
+
+
+def environment_kind(name: str) -> tuple[bool, bool]:
+    """``(is a ToolEnvironment, has a text-protocol step)`` of the registered environment ``name``."""
+    from grpo.environments import ToolEnvironment, get_environment
+
+    factory = get_environment(name)
+    return (isinstance(factory, type) and issubclass(factory, ToolEnvironment),
+            callable(getattr(factory, "step", None)))
 
 
 def environment_enum(schema: dict[str, Any]) -> None:
