@@ -1,5 +1,7 @@
 """The embedded tasks, generated locally: small-integer addition with exact answers (``synthetic:addition``, the
-default), and the same problems answered with their column-by-column work (``synthetic:addition_cot``).
+default), the same problems answered with their column-by-column work (``synthetic:addition_cot``), and hidden
+digits for the ``guess_digit`` environment (``synthetic:guess_digit``). The warm-start demonstrations of the
+embedded environments are here too: :func:`calculator_demonstrations`, :func:`guess_digit_demonstrations`.
 
 Deterministic for a given (seed, sizes): the same problems on every machine, no download. Train and eval problems
 are disjoint, so eval accuracy measures generalisation, not memorisation.
@@ -18,7 +20,7 @@ if TYPE_CHECKING:
     from datasets import DatasetDict
 
 
-TASKS = ("addition", "addition_cot")
+TASKS = ("addition", "addition_cot", "guess_digit")
 """The names after ``synthetic:`` in ``data.source``."""
 
 
@@ -96,4 +98,88 @@ def flawed_addition_demonstrations(
             out.append(worked_addition(a, b, len(a_text), forget_first_carry=True) if worked else str(a + b - 10))
         else:
             out.append(answer)
+    return out
+
+
+def guess_digit_problems(num_train: int, num_eval: int, seed: int = 0) -> DatasetDict:
+    """Rows for the ``guess_digit`` environment: the prompt ``0421?`` is a row id (distinct ids, so prep keeps every
+    row; disjoint train/eval ids), the answer the hidden digit the environment's ``reset`` reads from the row.
+    The prompt says nothing about the digit: what the policy learns is how to search from the feedback."""
+    from datasets import Dataset, DatasetDict
+
+    if num_train < 1 or num_eval < 1:
+        raise ValueError(f"num_train and num_eval must be >= 1, got {num_train} and {num_eval}")
+    if num_train + num_eval > GUESS_DIGIT_IDS:
+        raise ValueError(f"num_train + num_eval = {num_train + num_eval} exceeds the {GUESS_DIGIT_IDS} distinct "
+                         "guess_digit rows")
+    rng = random.Random(seed)
+    ids = rng.sample(range(GUESS_DIGIT_IDS), num_train + num_eval)
+    digits = [str(rng.randrange(10)) for _ in ids]
+
+    def rows(lo: int, hi: int) -> dict[str, list[str]]:
+        return {"prompt": [f"{i:04d}?" for i in ids[lo:hi]], "answer": digits[lo:hi]}
+
+    return DatasetDict(train=Dataset.from_dict(rows(0, num_train)),
+                       eval=Dataset.from_dict(rows(num_train, num_train + num_eval)))
+
+
+GUESS_DIGIT_IDS = 10_000
+"""Distinct ``guess_digit`` prompts (four-digit row ids)."""
+
+
+def calculator_demonstrations(
+    prompts: list[str], answers: list[str], carry_error_rate: float, seed: int = 0, *,
+    tool_rate: float = 0.01, call_rate: float = 0.1, copy_rate: float = 0.2,
+) -> tuple[list[str], list[str]]:
+    """Warm-start (prompt, completion) pairs for the ``calculator`` environment on the addition task: a policy that
+    answers directly (forgetting carries as :func:`flawed_addition_demonstrations` does) and rarely calls its tool,
+    but knows how to call it and how to use its answer, so GRPO can discover that calling pays.
+
+    Per row, by chance: ``tool_rate`` the whole call (``27+15=`` -> ``[27+15]42|42``: sets how often the policy opens
+    a call); ``call_rate`` the call's expression with ``[`` already in the prompt (``27+15=[`` -> ``27+15]``: the
+    loss covers completion tokens only, so the syntax is learned without making calls more frequent); ``copy_rate``
+    the call and its answer in the prompt (``27+15=[27+15]42|`` -> ``42``: copying the tool's answer); otherwise the
+    direct, flawed answer. Without the two partial kinds the policy calls with other operands than its prompt's and
+    rarely copies the tool's answer (``benchmarks/_calculator_warm_start_probe.py``)."""
+    if min(tool_rate, call_rate, copy_rate) < 0 or tool_rate + call_rate + copy_rate > 1:
+        raise ValueError(f"tool_rate, call_rate, copy_rate must be >= 0 and sum to <= 1, got {tool_rate}, "
+                         f"{call_rate}, {copy_rate}")
+    flawed = flawed_addition_demonstrations(prompts, answers, carry_error_rate, seed=seed)
+    rng = random.Random(seed + 1)
+    out_prompts, out_answers = [], []
+    for prompt, answer, direct in zip(prompts, answers, flawed):
+        expression, u = prompt.removesuffix("="), rng.random()
+        if u < tool_rate:
+            pair = (prompt, f"[{expression}]{answer}|{answer}")
+        elif u < tool_rate + call_rate:
+            pair = (f"{prompt}[", f"{expression}]")
+        elif u < tool_rate + call_rate + copy_rate:
+            pair = (f"{prompt}[{expression}]{answer}|", answer)
+        else:
+            pair = (prompt, direct)
+        out_prompts.append(pair[0])
+        out_answers.append(pair[1])
+    return out_prompts, out_answers
+
+
+def guess_digit_demonstrations(answers: list[str], ignore_feedback_rate: float = 0.1, seed: int = 0,
+                               max_guesses: int = 4) -> list[str]:
+    """Warm-start episodes for ``guess_digit`` (``5>2<3=``, the environment's feedback included): each guess is a
+    random digit the feedback so far allows, or with ``ignore_feedback_rate`` any digit. Such a policy finds the
+    digit within 4 guesses about 72 % of the time at 0.1 (76 % at 0: random consistent guessing), short of binary
+    search's 100 %, so GRPO groups differ in reward and the search improves."""
+    if not 0.0 <= ignore_feedback_rate <= 1.0:
+        raise ValueError(f"ignore_feedback_rate must be in [0, 1], got {ignore_feedback_rate}")
+    rng = random.Random(seed)
+    out = []
+    for answer in answers:
+        digit, lo, hi, episode = int(answer), 0, 9, ""
+        for _ in range(max_guesses):
+            guess = rng.randint(0, 9) if rng.random() < ignore_feedback_rate else rng.randint(lo, hi)
+            if guess == digit:
+                episode += f"{guess}="
+                break
+            episode += f"{guess}{'<' if guess < digit else '>'}"
+            lo, hi = (max(lo, guess + 1), hi) if guess < digit else (lo, min(hi, guess - 1))
+        out.append(episode)
     return out

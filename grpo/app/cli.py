@@ -42,7 +42,7 @@ app = typer.Typer(
 
 PREFECT_STARTUP_SECONDS = 120
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", metavar="FILE|PRESET",
-                                         help="Experiment YAML file, or a preset name: tiny, qwen2.5-0.5b-gsm8k.")]
+                                         help="Experiment YAML file, or a preset name: tiny, tiny-calculator, tiny-guess-digit, qwen2.5-0.5b-gsm8k.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a field: section.field=value (repeatable).")]
 RewardModuleOpt = Annotated[
     Optional[list[Path]], typer.Option("--reward-module", metavar="FILE", help="Python file registering reward functions (repeatable).")

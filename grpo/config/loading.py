@@ -139,7 +139,7 @@ def _preset_dir(kind: str = "") -> Traversable:
 
 
 def presets(kind: str = "") -> list[str]:
-    """Names of the presets shipped with the package: experiment configs (``tiny``, ``qwen2.5-0.5b-gsm8k``) in
+    """Names of the presets shipped with the package: experiment configs (``tiny``, ``tiny-calculator``, ``tiny-guess-digit``, ``qwen2.5-0.5b-gsm8k``) in
     ``grpo/presets/``, or with ``kind="spaces"`` the sweep search spaces in ``grpo/presets/spaces/``."""
     folder = _preset_dir(kind)
     if not folder.is_dir():

@@ -12,7 +12,12 @@ import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from grpo.config.trl_and_rewards import check_environment_names, check_reward_names, environment_kind
+from grpo.config.trl_and_rewards import (
+    check_environment_builds,
+    check_environment_names,
+    check_reward_names,
+    environment_kind,
+)
 
 if TYPE_CHECKING:
     from grpo.config.sections import ExperimentConfig
@@ -248,6 +253,20 @@ def environment_is_registered(cfg: ExperimentConfig) -> None:
                          "environment they belong to (grpo environments lists them)")
 
 
+def environment_variants_build(cfg: ExperimentConfig) -> None:
+    """Each evaluation variant builds the environment with its kwargs overridden; a wrong option would otherwise fail
+    only at the evaluation after training."""
+    variants = cfg.evaluation.environment_variants
+    if not variants:
+        return
+    env = cfg.environment
+    if not env.enabled:
+        raise ValueError("evaluation.environment_variants is set but environment.name is empty; variants override "
+                         "the environment's kwargs")
+    for name, overrides in variants.items():
+        check_environment_builds(f"evaluation.environment_variants.{name}", env.name, env.kwargs | overrides)
+
+
 def chat_protocol_needs_a_chat_model(cfg: ExperimentConfig) -> None:
     """TRL's tool loop parses tool calls with the chat template's response schema; the tiny model's character
     tokenizer has none, and the text protocol needs none."""
@@ -411,6 +430,7 @@ RULES: tuple[Callable[[ExperimentConfig], None], ...] = (
     no_sequence_parallel_attention,
     ranks_generate_whole_groups,
     environment_is_registered,
+    environment_variants_build,
     chat_protocol_needs_a_chat_model,
     environment_tools_need_a_tool_environment,
     chat_protocol_takes_trl_environments,

@@ -55,7 +55,8 @@ class DataConfig(_Section):
     source: str = Field(
         "synthetic:addition",
         description="'synthetic:addition' (answers are the sum), 'synthetic:addition_cot' (answers show the "
-        "column-by-column work, ~17 tokens: a reasoning-style, generation-heavy task), a local "
+        "column-by-column work, ~17 tokens: a reasoning-style, generation-heavy task), 'synthetic:guess_digit' "
+        "(a hidden digit per row, for the guess_digit environment), a local "
         ".jsonl/.json/.parquet/.csv file, or 'hub:DATASET_ID' (downloads).",
     )
     hub_config: str | None = Field(None, description="Dataset config name for hub sources (e.g. 'main' for GSM8K).")
@@ -103,7 +104,13 @@ class DataConfig(_Section):
                 )
             if not path.is_file():
                 raise ValueError(f"source: file does not exist: {s}")
-        if self.synthetic and self.num_train + self.num_eval > (self.max_operand + 1) ** 2:
+        if s == "synthetic:guess_digit":
+            from grpo.tasks import GUESS_DIGIT_IDS
+
+            if self.num_train + self.num_eval > GUESS_DIGIT_IDS:
+                raise ValueError(f"num_train: num_train + num_eval = {self.num_train + self.num_eval} exceeds the "
+                                 f"{GUESS_DIGIT_IDS} distinct synthetic:guess_digit rows")
+        elif self.synthetic and self.num_train + self.num_eval > (self.max_operand + 1) ** 2:
             raise ValueError(
                 f"num_train: num_train + num_eval = {self.num_train + self.num_eval} exceeds the "
                 f"{(self.max_operand + 1) ** 2} distinct problems with max_operand={self.max_operand}"
@@ -473,8 +480,23 @@ class EvaluationConfig(_Section):
     pass_k_temperature: float = Field(1.0, gt=0)
     """Sampling temperature for pass@k."""
     correctness_reward: str = Field(
-        "exact_match", description="Reward whose full marks (>= 1) count as correct.", json_schema_extra=reward_enum
+        "exact_match", description="Reward whose full marks (>= 1) count as correct (with an environment: the "
+        "environment's own reward instead).", json_schema_extra=reward_enum
     )
+    environment_variants: dict[str, dict[str, Any]] = Field(
+        {}, description="With an environment: more greedy evaluations, each with the environment's kwargs "
+        "overridden, by name, e.g. {tool_off: {tool: off}} for calculator reports eval/env/tool_off/accuracy, "
+        "turns_mean, tool_call_rate before and after training."
+    )
+
+    @field_validator("environment_variants")
+    @classmethod
+    def _variant_names(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for name in value:  # a metric name's part: eval/env/<name>/accuracy
+            if not name.isidentifier():
+                raise ValueError(f"environment_variants: {name!r} is not a valid variant name; use letters, digits "
+                                 "and _ (it becomes part of the metric name eval/env/<name>/accuracy)")
+        return value
 
 
 class TrackingConfig(_Section):

@@ -20,6 +20,7 @@ __all__ = [
     "TRL_SECRET_FIELDS",
     "check_extra_fields",
     "check_report_to",
+    "check_environment_builds",
     "check_environment_names",
     "check_reward_names",
     "environment_kind",
@@ -121,6 +122,16 @@ def check_environment_names(field: str, name: str | None, tools_field: str, tool
     for tool in tools:
         if tool not in known_tools:
             raise ValueError(f"{tools_field}: unknown tool {tool!r}; registered tools: {', '.join(known_tools)}")
+
+
+def check_environment_builds(field: str, name: str, kwargs: dict[str, Any]) -> None:
+    """The registered environment ``name`` can be built with ``kwargs`` (its own check of its options included)."""
+    from grpo.environments import make_environment
+
+    try:
+        make_environment(name, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{field}: environment {name!r} cannot be built with {kwargs}: {err}") from None
 
 
 # ---------------------------------------------------------------- Prefect form helpers (pydantic json_schema_extra)

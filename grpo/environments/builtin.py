@@ -108,7 +108,9 @@ class CalculatorEnvironment(ToolEnvironment):
     alphabet = "".join(sorted(set(ToolEnvironment.alphabet + string.digits + "+-*" + "calculator" + _ERRORS)))
     default_reward = 0.0
 
-    def __init__(self, tool: str = "on") -> None:
+    def __init__(self, tool: str | bool = "on") -> None:
+        if isinstance(tool, bool):  # YAML reads an unquoted on / off as true / false
+            tool = "on" if tool else "off"
         if tool not in ("on", "off", "broken"):
             raise ValueError(f"calculator: tool must be one of on, off, broken; got {tool!r}")
         super().__init__([calculator])

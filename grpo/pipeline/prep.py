@@ -299,8 +299,10 @@ def _source_splits(cfg: DataConfig) -> dict[str, list[dict[str, Any]]]:
 
 
 def _synthetic(cfg: DataConfig) -> DatasetDict:
-    from grpo.tasks import addition_problems
+    from grpo.tasks import addition_problems, guess_digit_problems
 
+    if cfg.source == "synthetic:guess_digit":
+        return guess_digit_problems(cfg.num_train, cfg.num_eval, cfg.seed)
     return addition_problems(cfg.num_train, cfg.num_eval, cfg.max_operand, cfg.seed, worked=cfg.worked_answers)
 
 

@@ -111,7 +111,7 @@ def _stages(cfg: ExperimentConfig, run: RunDir, stages: StageRunner, resume: boo
         before = stages.evaluate(cfg, "policy", data_dir, str(run.path / "eval_before.json"), "before")
     if before is not None:
         log_numbers(tracker, eval_metrics(before), step=0)
-        log(f"eval before: accuracy {before['accuracy']:.3f}")
+        log(f"eval before: accuracy {before['accuracy']:.3f}{_env_line(before)}")
 
     # 4. GRPO on every rank, resuming from the last checkpoint when there is one.
     trained = stages.train(cfg, run, data_dir, plan["plan_path"], resume, tracker, log)
@@ -123,7 +123,7 @@ def _stages(cfg: ExperimentConfig, run: RunDir, stages: StageRunner, resume: boo
     if cfg.evaluation.enabled:
         after = stages.evaluate(cfg, trained["model_dir"], data_dir, str(run.path / "eval_after.json"), "after")
         log_numbers(tracker, eval_metrics(after), step=trained["steps"])
-        log(f"eval after: accuracy {after['accuracy']:.3f}")
+        log(f"eval after: accuracy {after['accuracy']:.3f}{_env_line(after)}")
     summary = write_summary(cfg, run, trained, before, after, prep["content_hash"], time.perf_counter() - started,
                             mlflow_run_id=tracker.run_id if tracker is not None else None, **summary_extra)
     if tracker is not None:
@@ -163,7 +163,22 @@ def write_summary(cfg: ExperimentConfig, run: RunDir, trained: Mapping[str, Any]
         "reward_first": curve[0][1] if curve else None,
         "reward_last": curve[-1][1] if curve else None,
         "metrics": trained["metric_names"],
+        **_env_figures(before, "before"),
+        **_env_figures(after, "after"),
         **extra,
     }
     run.write_json("summary.json", summary)
     return summary
+
+
+def _env_figures(record: dict | None, when: str) -> dict[str, float]:
+    """An environment's evaluation figures as flat summary keys: ``eval_env_tool_call_rate_before``,
+    ``eval_env_tool_off_accuracy_after``, ... (none without an environment)."""
+    env = (record or {}).get("env", {})
+    return {f"eval_env_{key.replace('/', '_')}_{when}": value for key, value in env.items()}
+
+
+def _env_line(record: dict) -> str:
+    """The environment's evaluation figures for the console line (empty without an environment)."""
+    env = record.get("env", {})
+    return "".join(f", {key} {value:.3f}" for key, value in env.items())

@@ -104,12 +104,14 @@ def log_plan(tracker: MlflowTracker | None, plan: Mapping[str, Any]) -> None:
 
 
 def eval_metrics(record: Mapping[str, Any]) -> dict[str, float]:
-    """An evaluation record as metrics: ``eval/accuracy`` and ``eval/pass_at_<k>``. The same names before and after
-    training (logged at step 0 and at the last step), so each reads as one line over the run."""
+    """An evaluation record as metrics: ``eval/accuracy``, ``eval/pass_at_<k>`` and an environment's figures
+    ``eval/env/<name>`` (``eval/env/tool_call_rate``, ``eval/env/tool_off/accuracy``). The same names before and
+    after training (logged at step 0 and at the last step), so each reads as one line over the run."""
     out = {EVAL_ACCURACY: record["accuracy"]}
     for key, value in record.items():
         if key.startswith("pass@") and value is not None:
             out[f"{EVAL_PREFIX}{key.replace('@', '_at_')}"] = value
+    out.update({f"{EVAL_PREFIX}env/{key}": value for key, value in record.get("env", {}).items()})
     return out
 
 

@@ -23,7 +23,7 @@ from grpo.pipeline.plans import build_plan
 from grpo.pipeline.prep import load_prepared, prepare_dataset
 from grpo.rewards import get_reward
 from grpo.runs import RunDir
-from grpo.training.evaluation import EvalResult, evaluate_policy
+from grpo.training.evaluation import EvalResult, evaluate_environment, evaluate_policy
 from grpo.training.policy import Policy, load_policy, plan_tokenizer, trained_policy
 from grpo.training.prompts import prompt_texts
 from grpo.training.train import train_grpo
@@ -100,18 +100,32 @@ def evaluate_model(cfg: ExperimentConfig, model: str, data_dir: str | Path, out_
 
 
 def eval_stage(cfg: ExperimentConfig, policy: Policy, data_dir: Path, out_file: Path) -> dict[str, Any]:
-    """Greedy accuracy and pass@k on the held-out split; writes ``out_file`` (with sample completions)."""
+    """Greedy accuracy and pass@k on the held-out split, with an environment its figures too (``env``: turns, tool
+    calls, sampled success, the evaluation variants); writes ``out_file`` (with sample completions or episodes)."""
     ev = load_prepared(data_dir)["eval"]
     if cfg.evaluation.num_prompts is not None:
         ev = ev.select(range(min(cfg.evaluation.num_prompts, len(ev))))
-    result: EvalResult = evaluate_policy(
-        policy.model, policy.tokenizer, list(ev["prompt"]), list(ev["answer"]),
-        get_reward(cfg.evaluation.correctness_reward),
-        max_new_tokens=cfg.grpo.max_completion_length, batch_size=cfg.evaluation.batch_size,
-        pass_k=cfg.evaluation.pass_k, pass_k_temperature=cfg.evaluation.pass_k_temperature, seed=cfg.grpo.seed,
-    )
+    result: EvalResult
+    if cfg.environment.enabled:
+        env = cfg.environment
+        result = evaluate_environment(
+            policy.model, policy.tokenizer, list(ev["prompt"]), ev.to_list(), env.name, kwargs=env.kwargs,
+            variants=cfg.evaluation.environment_variants, max_turns=env.max_turns,
+            max_completion_length=cfg.grpo.max_completion_length, batch_size=cfg.evaluation.batch_size,
+            pass_k=cfg.evaluation.pass_k, pass_k_temperature=cfg.evaluation.pass_k_temperature, seed=cfg.grpo.seed,
+            step_timeout=env.step_timeout, max_workers=env.max_concurrency,
+        )
+    else:
+        result = evaluate_policy(
+            policy.model, policy.tokenizer, list(ev["prompt"]), list(ev["answer"]),
+            get_reward(cfg.evaluation.correctness_reward),
+            max_new_tokens=cfg.grpo.max_completion_length, batch_size=cfg.evaluation.batch_size,
+            pass_k=cfg.evaluation.pass_k, pass_k_temperature=cfg.evaluation.pass_k_temperature, seed=cfg.grpo.seed,
+        )
     record = {"accuracy": result.accuracy, f"pass@{result.k}": result.pass_at_k, "num_prompts": result.num_prompts,
               "samples": result.samples}
+    if result.env:
+        record["env"] = result.env
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text(json.dumps(record, indent=2))
     return record

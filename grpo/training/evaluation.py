@@ -1,16 +1,22 @@
 """Held-out evaluation: greedy accuracy and pass@k with sampling.
 
 A completion counts as correct when the task's correctness reward gives it full marks (>= 1.0), so evaluation and
-training agree on what "right" means.
+training agree on what "right" means. With an environment (``environment.name``) an episode counts as correct when
+the environment's own reward gives it full marks: :func:`evaluate_environment` runs the held-out episodes through
+THE episode runner (:func:`grpo.environments.episodes.run_episodes`) with a plain ``generate`` of the model, and
+reports the environment's figures besides accuracy and pass@k (turns, tool calls, sampled success, and the same
+figures for variants of the environment's options, e.g. the calculator's tool switched off).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 
 from grpo.training.model_support import GENERATION_KV_CACHE, applies
 from grpo.training.prompts import prompt_texts
@@ -23,11 +29,14 @@ class EvalResult:
     k: int
     num_prompts: int
     samples: list[dict]  # a few (prompt, completion, answer, correct) rows for inspection
+    env: dict[str, float] = field(default_factory=dict)
+    """The environment's figures (:func:`evaluate_environment`), e.g. ``turns_mean``, ``tool_off/accuracy``."""
 
     def as_metrics(self, prefix: str = "eval") -> dict[str, float]:
         out = {f"{prefix}/accuracy": self.accuracy}
         if self.pass_at_k is not None:
             out[f"{prefix}/pass@{self.k}"] = self.pass_at_k
+        out.update({f"{prefix}/env/{k}": v for k, v in self.env.items()})
         return out
 
 
@@ -116,3 +125,148 @@ def evaluate_policy(
     return EvalResult(
         accuracy=sum(correct) / len(prompts), pass_at_k=pass_at_k, k=pass_k, num_prompts=len(prompts), samples=samples
     )
+
+
+# ---------------------------------------------------------------- environments (multi-turn episodes)
+
+
+class _StopAtStrings(StoppingCriteria):
+    """Stops a row once its generated text contains a stop string. Not transformers' ``stop_strings``: that one
+    probes the vocabulary with text the tiny character tokenizer cannot encode."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: Sequence[str], start: int) -> None:
+        self.tokenizer, self.stops, self.start = tokenizer, tuple(stops), start
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.start :], skip_special_tokens=True)
+        return torch.tensor([any(s in t for s in self.stops) for t in texts], device=input_ids.device)
+
+
+def episode_generator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, do_sample: bool,
+                      temperature: float = 1.0, batch_size: int = 256) -> Callable[..., list]:
+    """A plain ``generate`` for :func:`~grpo.environments.episodes.run_episodes`: left-padded batches of at most
+    ``batch_size`` sequences, each row stopped at its turn's stop strings or the end-of-sequence token, greedy or
+    sampled; no log-probs (evaluation needs none)."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id
+
+    @torch.no_grad()
+    def generate(sequences: list[list[int]], max_new_tokens: int, stops: tuple[str, ...]) -> list:
+        model.eval()
+        out: list[tuple[list[int], None]] = []
+        for start in range(0, len(sequences), batch_size):
+            batch = sequences[start : start + batch_size]
+            width = max(map(len, batch))
+            ids = torch.full((len(batch), width), pad)
+            mask = torch.zeros_like(ids)
+            for i, seq in enumerate(batch):  # left padding, as the trainer generates
+                ids[i, width - len(seq):] = torch.tensor(seq)
+                mask[i, width - len(seq):] = 1
+            gen = model.generate(
+                input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
+                do_sample=do_sample, temperature=temperature if do_sample else None, top_p=None, top_k=None,
+                pad_token_id=pad, eos_token_id=eos, use_cache=applies(GENERATION_KV_CACHE, model),
+                stopping_criteria=StoppingCriteriaList([_StopAtStrings(tokenizer, stops, width)]) if stops else None,
+            )
+            for row in gen[:, width:].tolist():
+                end = next((j + 1 for j, t in enumerate(row) if t == eos), len(row))
+                out.append((row[:end], None))
+        return out
+
+    return generate
+
+
+def episode_figures(episodes: Sequence[Any]) -> dict[str, float]:
+    """Per-episode rates of a set of episodes: ``accuracy`` (reward >= 1: the environment's success),
+    ``turns_mean`` (model turns), ``tool_call_rate`` (episodes with at least one tool call, unknown tools
+    included), ``truncated_frac`` (cut off by the turn or token budget)."""
+    n = max(1, len(episodes))
+    return {
+        "accuracy": sum(_success(ep) for ep in episodes) / n,
+        "turns_mean": sum(ep.turns for ep in episodes) / n,
+        "tool_call_rate": sum(sum(ep.tool_calls.values()) + ep.unknown_tool_calls > 0 for ep in episodes) / n,
+        "truncated_frac": sum(ep.truncated for ep in episodes) / n,
+    }
+
+
+def _success(episode: Any) -> bool:
+    return episode.reward is not None and not math.isnan(episode.reward) and episode.reward >= 1.0
+
+
+def evaluate_environment(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str] | list[list[dict[str, str]]],
+    rows: Sequence[Mapping[str, Any]],
+    environment: str,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    variants: Mapping[str, Mapping[str, Any]] | None = None,
+    max_turns: int,
+    max_completion_length: int,
+    batch_size: int = 256,
+    pass_k: int = 0,
+    pass_k_temperature: float = 1.0,
+    seed: int = 0,
+    step_timeout: float | None = 60.0,
+    max_workers: int = 16,
+    num_samples_to_keep: int = 16,
+    generate_with: Callable[[bool, float], Callable[..., list]] | None = None,
+) -> EvalResult:
+    """One greedy episode per prompt in ``environment`` (a registered name, built with ``kwargs``; a row's
+    ``environment`` column routes it elsewhere, with that environment's defaults): accuracy is the fraction the
+    environment rewards with full marks; ``env`` holds ``turns_mean``, ``tool_call_rate``, ``truncated_frac``. With
+    ``pass_k > 0``, k sampled episodes per prompt give pass@k and ``env["sampled_success"]`` (the mean success of
+    single sampled episodes: the rate GRPO's groups see). Each of ``variants`` (name -> kwargs overrides, e.g.
+    ``{"tool_off": {"tool": "off"}}``) runs the greedy episodes again with ``kwargs | overrides``:
+    ``env["<name>/accuracy"]``, ``env["<name>/turns_mean"]``, ... . ``generate_with(do_sample, temperature)``
+    gives the episode runner's ``generate`` (default: :func:`episode_generator` of ``model``; another rollout
+    engine can evaluate through its own)."""
+    from grpo.environments import make_environment
+    from grpo.environments.episodes import run_episodes
+
+    texts = prompt_texts(prompts, tokenizer)
+    prompt_ids = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    rows = [dict(r) for r in rows]
+    base = dict(kwargs or {})
+
+    def episodes(options: Mapping[str, Any], generate: Callable[..., list], repeat: int = 1) -> list:
+        def env_for(row: Mapping[str, Any]) -> Any:
+            name = row.get("environment") or environment
+            return make_environment(name, **options) if name == environment else make_environment(name)
+
+        reps = [i for i in range(len(rows)) for _ in range(repeat)]
+        return run_episodes([prompt_ids[i] for i in reps], [env_for(rows[i]) for i in reps], generate, tokenizer,
+                            rows=[rows[i] for i in reps], max_turns=max_turns,
+                            max_completion_length=max_completion_length, step_timeout=step_timeout,
+                            max_workers=max_workers)
+
+    if generate_with is None:
+        def generate_with(do_sample: bool, temperature: float) -> Callable[..., list]:
+            return episode_generator(model, tokenizer, do_sample=do_sample, temperature=temperature,
+                                     batch_size=batch_size)
+
+    greedy_gen = generate_with(False, 1.0)
+    greedy = episodes(base, greedy_gen)
+    figures = episode_figures(greedy)
+    accuracy = figures.pop("accuracy")
+    env = dict(figures)
+    pass_at_k = None
+    if pass_k > 0:
+        sampled_gen = generate_with(True, pass_k_temperature)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            sampled = episodes(base, sampled_gen, repeat=pass_k)
+        hits = [any(_success(ep) for ep in sampled[i * pass_k : (i + 1) * pass_k]) for i in range(len(rows))]
+        pass_at_k = sum(hits) / max(1, len(rows))
+        env["sampled_success"] = sum(map(_success, sampled)) / max(1, len(sampled))
+    for name, overrides in (variants or {}).items():
+        for key, value in episode_figures(episodes(base | dict(overrides), greedy_gen)).items():
+            env[f"{name}/{key}"] = value
+    samples = [
+        {"prompt": t, "completion": "".join(text for _, text in ep.transcript), "answer": row.get("answer"),
+         "correct": _success(ep), "turns": ep.turns, "stop_reason": ep.stop_reason}
+        for t, ep, row in list(zip(texts, greedy, rows))[:num_samples_to_keep]
+    ]
+    return EvalResult(accuracy=accuracy, pass_at_k=pass_at_k, k=pass_k, num_prompts=len(rows), samples=samples,
+                      env=env)

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError
-from grpo.tasks import flawed_addition_demonstrations
+from grpo.tasks import calculator_demonstrations, flawed_addition_demonstrations, guess_digit_demonstrations
 from grpo.training.graceful_stop import stop_requested
 from grpo.training.prompts import prompt_texts
 from grpo.training.tiny_model import alphabet_of, build_char_tokenizer, build_tiny_qwen2
@@ -57,6 +57,8 @@ def tiny_cache_key(cfg: ExperimentConfig, alphabet: str) -> str:
         "alphabet": alphabet,
         "seed": cfg.grpo.seed,
     }
+    if cfg.environment.enabled:  # the warm start demonstrates the environment's episodes
+        payload["environment"] = cfg.environment.name
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -110,14 +112,7 @@ def _load_policy(cfg: ExperimentConfig, data: DatasetDict, log=print) -> Policy:
 
 def _tiny_policy(cfg: ExperimentConfig, data: DatasetDict, log) -> Policy:
     start = time.perf_counter()
-    alphabet = alphabet_of(data)
-    env = cfg.environment
-    if env.enabled:  # the environments' observations and syntax must be encodable, and writable by the policy
-        from grpo.environments import environment_alphabet
-
-        names = {env.name, *(n for split in data.values() if "environment" in split.column_names
-                             for n in split["environment"] if n)}
-        alphabet = "".join(sorted(set(alphabet) | set(environment_alphabet(sorted(names), env.tools))))
+    alphabet = policy_alphabet(data, cfg)
     path = cache_root() / f"tiny-{tiny_cache_key(cfg, alphabet)}"
     if (path / "done.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -151,14 +146,37 @@ def _tiny_policy(cfg: ExperimentConfig, data: DatasetDict, log) -> Policy:
 
 def warm_start_pairs(data: DatasetDict, cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase
                      ) -> tuple[list[str], list[str]]:
-    """(prompt texts, demonstrated answers) for the warm start; see ``model.warm_start.carry_error_rate``.
-    Conversational prompts are rendered with the chat template, as GRPO will generate from them."""
+    """(prompt texts, demonstrated completions) for the warm start; see ``model.warm_start.carry_error_rate``.
+    Conversational prompts are rendered with the chat template, as GRPO will generate from them.
+
+    The embedded environments on their synthetic tasks are demonstrated as episodes: ``calculator`` on
+    ``synthetic:addition`` mostly answers directly and rarely calls its tool (:func:`calculator_demonstrations`),
+    ``guess_digit`` on ``synthetic:guess_digit`` searches sloppily (:func:`guess_digit_demonstrations`)."""
     prompts, answers = prompt_texts(data["train"]["prompt"], tokenizer), list(data["train"]["answer"])
-    rate = cfg.model.warm_start.carry_error_rate
-    if rate > 0 and cfg.data.synthetic:  # the tiny task's knob; other data is demonstrated as given
-        answers = flawed_addition_demonstrations(prompts, answers, rate, seed=cfg.data.seed,
+    rate, source, env = cfg.model.warm_start.carry_error_rate, cfg.data.source, cfg.environment.name
+    if env == "calculator" and source == "synthetic:addition":
+        return calculator_demonstrations(prompts, answers, rate, seed=cfg.data.seed)
+    if env == "guess_digit" and source == "synthetic:guess_digit":
+        return prompts, guess_digit_demonstrations(answers, seed=cfg.data.seed)
+    if rate > 0 and source in ("synthetic:addition", "synthetic:addition_cot"):  # the tiny task's knob; other data
+        answers = flawed_addition_demonstrations(prompts, answers, rate, seed=cfg.data.seed,  # is demonstrated as given
                                                   worked=cfg.data.worked_answers)
     return prompts, answers
+
+
+def policy_alphabet(data: DatasetDict, cfg: ExperimentConfig) -> str:
+    """The tiny tokenizer's characters: the data's, and those of every environment the run can use (the config's
+    and those a row's ``environment`` column names) and its tools, so their observations and syntax are encodable
+    and writable by the policy (``Environment.alphabet``)."""
+    alphabet = alphabet_of(data)
+    env = cfg.environment
+    if env.enabled:
+        from grpo.environments import environment_alphabet
+
+        names = {env.name, *(n for split in data.values() if "environment" in split.column_names
+                             for n in split["environment"] if n)}
+        alphabet = "".join(sorted(set(alphabet) | set(environment_alphabet(sorted(names), env.tools))))
+    return alphabet
 
 
 def _warm_start_with_progress(model, tokenizer, data: DatasetDict, cfg: ExperimentConfig) -> list[float]:
