@@ -212,7 +212,7 @@ def test_the_training_stack_stays_in_the_training_layer():
 
 
 def test_mlflow_only_where_runs_are_tracked():
-    tracking = {"grpo.pipeline.tracking", "grpo.pipeline.run_tracking"}
+    tracking = {"grpo.pipeline.tracking", "grpo.pipeline.run_tracking", "grpo.tracking.traces"}
 
     def allowed(mod: str, imp: str) -> bool:
         return top(imp) != "mlflow" or mod in tracking or any(under(mod, p) for p in ("grpo.app", "flows", "dashboards"))

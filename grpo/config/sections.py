@@ -457,6 +457,10 @@ class EnvironmentSection(_Section):
         "(left out of its group's statistics) and training goes on. Empty: no limit."
     )
     max_concurrency: int = Field(16, ge=1, description="Environment steps run at once (a bounded thread pool).")
+    trace_episodes_per_log: int = Field(
+        4, ge=0, description="Episodes of each generation batch (the first ones, main process) written to MLflow as "
+        "traces (an agent span with one span per model turn and per tool call), off the training thread. 0: none."
+    )
 
     @property
     def enabled(self) -> bool:

@@ -80,6 +80,9 @@ class Episode:
     tool_seconds: dict[str, float] = field(default_factory=dict, compare=False)
     environment: str | None = None
     """The registered name of the episode's environment, set by whoever chose it (for per-environment metrics)."""
+    tool_trace: list[tuple[int, str, str, float]] = field(default_factory=list, compare=False)
+    """Every tool call in order as ``(turn, name, status, seconds)`` (``turn`` 1-based, ``status`` ``ok``, ``error`` or
+    ``unknown``), for the episode's trace; the counts above are the metrics' view of the same calls."""
 
     @property
     def truncated(self) -> bool:
@@ -347,6 +350,7 @@ def run_episodes(
                     continue
                 result = StepResult(*value)
                 for tc in result.tool_calls:
+                    ep.tool_trace.append((ep.turns, tc.name, tc.status, tc.seconds))
                     if tc.status == "unknown":
                         ep.unknown_tool_calls += 1
                         continue

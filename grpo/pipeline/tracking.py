@@ -45,6 +45,7 @@ from transformers import TrainerCallback
 from grpo.errors import GRPOPlatformError
 from grpo.pipeline.metric_keys import TRAIN_PREFIX
 from grpo.pipeline.spool import Spool, read_state
+from grpo.tracking.traces import TraceLogging
 
 _log = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ def _is_permanent(err: BaseException) -> bool:
     return 400 <= status < 500 and status != 429
 
 
-class MlflowTracker:
+class MlflowTracker(TraceLogging):
     """One MLflow run: params/tags synchronously at ``start``, metrics through an on-disk spool and a sender thread.
 
     Args:
@@ -500,6 +501,7 @@ class MlflowTracker:
         """
         if self.run_id is None:
             return True
+        self._close_traces(min(timeout, 10.0))  # before the last flush: it logs the trace counts
         self._stop_system_metrics()
         done = self.flush(timeout)
         self._spool.stop(join_timeout=max(self.http_timeout + 1, 1))
@@ -656,6 +658,11 @@ class MlflowCallback(TrainerCallback):
     def __init__(self, tracker: MlflowTracker, prefix: str = TRAIN_PREFIX) -> None:
         self.tracker = tracker
         self.prefix = prefix
+
+    def on_episodes(self, args, state, control, episodes=None, **kwargs):
+        """Episode records from the trainer (main process): written as MLflow traces on the tracker's own thread."""
+        if episodes:
+            self.tracker.log_episode_traces(episodes)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or not state.is_world_process_zero:

@@ -23,6 +23,7 @@ Protocol ``chat``: TRL's own tool loop, unchanged: ``environment_factory`` (a di
 from __future__ import annotations
 
 import dataclasses
+import time
 from functools import partial
 from typing import Any
 
@@ -43,6 +44,24 @@ _ROLLOUT_COLUMNS = frozenset(rollout_fields([]).keys())
 def reset_row(row: dict[str, Any]) -> dict[str, Any]:
     """The columns of ``row`` an environment's ``reset(**row)`` gets: the dataset's, not the rollout's."""
     return {k: v for k, v in row.items() if k not in _ROLLOUT_COLUMNS}
+
+
+def episode_record(ep: Episode, prompt: str, step: int) -> dict[str, Any]:
+    """An episode as plain data for a trace: ``step`` (the first optimizer step trained on it), ``environment``,
+    ``prompt`` (the text the model saw first, ``reset``'s observation included), ``transcript`` (``[source, text]``
+    segments), ``tool_calls`` (``[turn, name, status, seconds]`` in order), ``turns``, ``reward`` (the environment's;
+    None when it gave none, NaN on an error), ``stop_reason``, ``error`` and ``time_ns`` (when it was recorded)."""
+    return {
+        "step": int(step), "environment": ep.environment, "prompt": prompt,
+        "transcript": [[source, text] for source, text in ep.transcript],
+        "tool_calls": [list(call) for call in ep.tool_trace], "turns": ep.turns,
+        "reward": None if ep.reward is None else float(ep.reward), "stop_reason": ep.stop_reason, "error": ep.error,
+        "time_ns": time.time_ns(),
+    }
+
+
+def _decode_text(tokenizer: Any, ids: list[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
 class _Unbuildable:
@@ -116,6 +135,7 @@ class EnvironmentRollouts:
             row["env_reward"] = ep.reward  # now, not after _generate: streamed reward scoring reads the rows first
         self._episode_errors = [ep.error is not None for ep in episodes]
         self._log_episode_metrics(episodes)
+        self._offer_episode_traces(episodes)
         return rollout_fields(episodes)
 
     def _environment_name(self, row: dict[str, Any]) -> str:
@@ -163,6 +183,21 @@ class EnvironmentRollouts:
             rewards[failed] = torch.nan  # in place: RewardScoring keeps this tensor for replay and re-roll
         return rewards
 
+    def _offer_episode_traces(self, episodes: list[Episode]) -> None:
+        """Hand the first ``environment.trace_episodes_per_log`` training episodes of this generation batch (main
+        process) as :func:`episode_record` dicts to every trainer callback with an ``on_episodes(args, state, control,
+        episodes=...)`` method (the MLflow callback writes them as traces on its own thread; nothing here waits)."""
+        n = self.experiment.environment.trace_episodes_per_log
+        if n <= 0 or not self.model.training or not self.accelerator.is_main_process:
+            return
+        hooks = [cb.on_episodes for cb in self.callback_handler.callbacks if callable(getattr(cb, "on_episodes", None))]
+        if not hooks:
+            return
+        step = self.state.global_step + 1  # the first optimizer step trained on this generation batch
+        records = [episode_record(ep, _decode_text(self._tokenizer, ep.prompt_ids), step) for ep in episodes[:n]]
+        for hook in hooks:
+            hook(self.args, self.state, self.control, episodes=records)
+
     def _log_episode_metrics(self, episodes: list[Episode]) -> None:
         """:func:`episode_metrics` over every rank's episodes (the same values on every rank)."""
         from accelerate.utils import gather_object
@@ -175,4 +210,4 @@ class EnvironmentRollouts:
             self._metrics[mode][name].append(value)
 
 
-__all__ = ["EnvironmentRollouts", "build_environment", "chat_environment_factory", "reset_row"]
+__all__ = ["EnvironmentRollouts", "build_environment", "chat_environment_factory", "episode_record", "reset_row"]

@@ -1,0 +1,122 @@
+"""Episodes as MLflow traces (#30 §5): a short environment run against a real ``mlflow server`` writes the sampled
+episodes as traces linked to its run, with one chat span per model turn and one tool span per tool call; with the
+server gone, training still runs to its end and the traces are counted as dropped."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from mlflow import MlflowClient
+from transformers import TrainerCallback
+
+from grpo.environments import register_environment
+from grpo.environments.base import Environment, StepResult, ToolCall
+from grpo.pipeline.tracking import MlflowCallback, MlflowTracker
+from grpo.tracking.traces import DROPPED_METRIC, WRITTEN_METRIC
+from tests.servers import MlflowServer
+from tests.trainers import environment_trainer
+
+pytestmark = pytest.mark.integration
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PER_BATCH = 3
+STEPS = 2
+
+
+@register_environment("trace_probe")
+class TraceProbe(Environment):
+    """Every model turn is one token (the empty stop string matches at once) and makes one tool call, alternately
+    answered and failed; the third turn ends the episode with reward 1. So each episode's tool calls equal its
+    turns, whatever the model writes (an end-of-sequence token ends it earlier)."""
+
+    stop_strings = ("",)
+    alphabet = "1"
+    default_reward = 0.0
+
+    def reset(self, **row):
+        self.turn = 0
+        return None
+
+    def step(self, action):
+        self.turn += 1
+        call = ToolCall("probe", "ok" if self.turn % 2 else "error", 0.001)
+        return StepResult("1", self.turn >= 3, 1.0 if self.turn >= 3 else None, (call,))
+
+
+class EpisodeCounter(TrainerCallback):
+    """Records what the trainer hands to ``on_episodes``."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[dict]] = []
+
+    def on_episodes(self, args, state, control, episodes=None, **kwargs):
+        self.batches.append(list(episodes))
+
+
+def train_with_traces(tmp_path, uri: str, kill: MlflowServer | None = None):
+    trainer = environment_trainer(tmp_path, "trace_probe", **{
+        "environment.trace_episodes_per_log": PER_BATCH, "grpo.max_steps": STEPS, "grpo.logging_steps": 1,
+        "grpo.save_steps": 100})
+    tracker = MlflowTracker(uri, tmp_path / "spool", flush_interval=0.2, max_backoff=1.0, http_timeout=5.0)
+    run_id = tracker.start("traces", "grpo-traces-test")
+    counter = EpisodeCounter()
+    trainer.add_callback(MlflowCallback(tracker))
+    trainer.add_callback(counter)
+    if kill is not None:
+        kill.stop(kill=True)
+    trainer.train()
+    traces = tracker._traces
+    tracker.close(timeout=10)
+    return trainer, tracker, run_id, counter, traces
+
+
+def test_sampled_episodes_are_traces_of_the_run(tmp_path, mlflow_server):
+    trainer, tracker, run_id, counter, _ = train_with_traces(tmp_path, mlflow_server.uri)
+    assert trainer.state.global_step == STEPS and counter.batches
+    records = [r for batch in counter.batches for r in batch]
+    assert all(len(batch) == PER_BATCH for batch in counter.batches)
+
+    client = MlflowClient(mlflow_server.uri)
+    run = client.get_run(run_id)
+    traces = client.search_traces(locations=[run.info.experiment_id], run_id=run_id, max_results=100)
+    assert len(traces) == len(records) == run.data.metrics[WRITTEN_METRIC]
+    assert run.data.metrics[DROPPED_METRIC] == 0
+    assert sorted(int(t.info.tags["step"]) for t in traces) == sorted(r["step"] for r in records)
+    assert {int(t.info.tags["step"]) for t in traces} <= set(range(1, STEPS + 1))
+    tool_calls = 0
+    for trace in traces:
+        assert trace.info.trace_metadata["mlflow.sourceRun"] == run_id
+        spans = trace.data.spans
+        [root] = [s for s in spans if s.parent_id is None]
+        assert root.span_type == "AGENT" and root.name == "trace_probe"
+        assert root.inputs["prompt"] and root.attributes["environment"] == "trace_probe"
+        assert root.attributes["stop_reason"] in ("eos", "done", "max_tokens")
+        assert float(trace.info.tags["reward"]) == root.attributes["reward"]
+        chats = [s for s in spans if s.span_type == "CHAT_MODEL"]
+        tools = [s for s in spans if s.span_type == "TOOL"]
+        assert len(chats) == root.attributes["turns"] >= 1
+        assert all(s.parent_id == root.span_id for s in chats)
+        assert len(tools) == len(chats)  # one call per turn: the probe's rule
+        by_turn = {s.span_id: s.attributes["turn"] for s in chats}
+        for tool in tools:
+            assert tool.name == "probe" and tool.parent_id in by_turn
+            assert tool.attributes["status"] == ("ok" if by_turn[tool.parent_id] % 2 else "error")
+        tool_calls += len(tools)
+    assert tool_calls == sum(len(r["tool_calls"]) for r in records)
+    json.dumps(records)  # plain data: nothing of MLflow or torch in what the trainer hands over
+
+
+def test_training_runs_to_its_end_with_the_tracking_server_down(tmp_path):
+    server = MlflowServer(tmp_path / "mlflow").start()
+    try:
+        trainer, tracker, run_id, counter, traces = train_with_traces(tmp_path, server.uri, kill=server)
+    finally:
+        server.stop(kill=True)
+    assert trainer.state.global_step == STEPS and counter.batches
+    offered = sum(map(len, counter.batches))
+    assert traces is not None and traces.written == 0 and traces.dropped == offered
+    # the counts wait in the metric spool for the next start
+    sent = [json.loads(line) for line in tracker.spool_file.read_text().splitlines()]
+    assert any(row["m"].get(DROPPED_METRIC) == offered for row in sent)
