@@ -29,8 +29,8 @@ def _child(out_dir: str, n_prompts: int, max_steps: int) -> None:
     """Runs in the subprocess: build the plan, time it and a resume read, print one JSON line."""
     import numpy as np
 
-    from grpo.config import load_config
     from grpo.algo.plan import read_plan_indices
+    from grpo.config import load_config
     from grpo.pipeline.plans import build_plan
 
     base = load_config(None, [f"grpo.per_device_train_batch_size={PER_DEVICE}", f"grpo.num_generations={GENERATIONS}",

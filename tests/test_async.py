@@ -196,8 +196,8 @@ def test_a_slow_generator_and_a_slow_reward_worker_change_nothing_but_timing(tmp
     staleness per step, importance-sampling statistics and final weights, byte for byte. Each round's policy version
     follows from prefetch_depth 2 and vllm_sync_interval 1 alone: round 0 generated now, rounds 1-2 submitted at step
     0 behind the first weights, round k >= 3 submitted at step k-2 behind the push of step k-2 (staleness 2)."""
-    from tests import deterministic_rewards  # noqa: F401 - registers the rewards
     from grpo.training.async_producer import TEST_DELAY_ENV
+    from tests import deterministic_rewards  # noqa: F401 - registers the rewards
 
     def run(name: str, slow: bool):
         slow_dir = tmp_path / f"slow-{name}"

@@ -17,8 +17,14 @@ import trl
 from grpo.config import load_config
 from grpo.training.zero_advantage import normaliser_share, rows_to_keep
 from tests.conftest import MICRO, micro_overrides
-from tests.test_loss_extensions import (LOSS_TYPES, configure, make_trainer, relative_difference, step_gradient,
-                                        token_budget_scenario)
+from tests.test_loss_extensions import (
+    LOSS_TYPES,
+    configure,
+    make_trainer,
+    relative_difference,
+    step_gradient,
+    token_budget_scenario,
+)
 
 REL = 1e-5
 

@@ -40,8 +40,9 @@ def test_installed_versions_are_the_locked_ones():
 
 def test_lock_satisfies_pyproject_and_names_no_index():
     """The lock is what `make lock` resolves from pyproject.toml's ranges; no index URL or registry host anywhere."""
-    from packaging.requirements import Requirement
     import tomllib
+
+    from packaging.requirements import Requirement
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     locked = pins(REPO / "constraints.txt")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from grpo.algo.replay import ReplayBuffer, RerollBuffer, group_advantages, inject_rerolls, nan_std, place_group
 from grpo.config import load_config
 from grpo.pipeline.data import load_data
 from grpo.rewards import get_reward, register_reward
 from grpo.training.policy import load_policy
-from grpo.algo.replay import ReplayBuffer, RerollBuffer, group_advantages, inject_rerolls, nan_std, place_group
 from grpo.training.train import grpo_args
 from grpo.training.trainer import GRPOTrainer
 from tests.conftest import MICRO, micro_overrides

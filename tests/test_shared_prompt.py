@@ -16,7 +16,6 @@ import torch
 
 from grpo.training import model_support
 from grpo.training.shared_prompt import shared_prompt_prefill
-
 from tests.test_loss_extensions import LOSS_TYPES, configure, gradients, make_trainer, relative_difference
 
 REL = 1e-5

@@ -17,6 +17,7 @@ from grpo.config import load_config
 from grpo.pipeline.sweep_space import SpaceError, check_path, load_space, validate_space
 from tests.conftest import MICRO, micro_overrides
 
+
 @pytest.fixture(scope="module")
 def base():
     return load_config(MICRO)

@@ -78,8 +78,8 @@ def check_server(timeout: float = 5.0) -> str:
 def check_cron(cron: str, timezone: str | None = None) -> None:
     """Validate ``--schedule`` / ``--timezone`` as Prefect's ``CronSchedule`` (croniter) does; :class:`ServeError`
     naming the option and its value otherwise. Needs no server: ``grpo serve`` calls it before connecting."""
-    from pydantic import ValidationError
     from prefect.client.schemas.schedules import CronSchedule
+    from pydantic import ValidationError
 
     try:
         CronSchedule(cron=cron, timezone=timezone or "UTC")

@@ -13,7 +13,6 @@ generation: ``grpo.use_vllm`` with ``grpo.vllm_mode: server`` selects
 from __future__ import annotations
 
 import contextlib
-
 import io
 import multiprocessing as mp
 import os

@@ -134,10 +134,9 @@ class AsyncRollouts:
             self._start_vllm_engine()
             return
         import torch
+        from safetensors.torch import save_file
 
         from grpo.training.async_producer import AsyncRolloutProducer, producer_threads, trainer_threads
-
-        from safetensors.torch import save_file
 
         # Each rank writes its own copy: under torch.distributed, save_pretrained writes on rank 0 only, so another
         # rank's generator would find an empty (or half-written) directory.

@@ -160,9 +160,9 @@ def train_grpo(
 
 
 def _train(cfg, policy, train_dataset, run, resume, plan_path, callbacks, echo) -> TrainResult:
-    from grpo.training.trainer import GRPOTrainer
-
     import torch
+
+    from grpo.training.trainer import GRPOTrainer
 
     use_cpu = not torch.cuda.is_available()
     args = grpo_args(cfg, run.checkpoints, use_cpu=use_cpu)

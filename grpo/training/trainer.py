@@ -35,7 +35,12 @@ from typing import Any
 import torch
 import trl
 from torch.utils.data import Sampler
-from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
+from trl.trainer.utils import (
+    shuffle_sequence_dict,
+    split_pixel_values_by_grid,
+    split_tensor_dict,
+    unsplit_pixel_values_by_grid,
+)
 
 from grpo.algo.batch_layout import BatchLayout
 from grpo.algo.plan import PlanSampler
