@@ -22,8 +22,7 @@ def load_data(cfg: ExperimentConfig) -> DatasetDict:
     """The prepared ``train`` and ``eval`` splits for ``cfg``: the prep stage's output in its cache directory
     (:func:`grpo.pipeline.stages.cached_prep`, which ``grpo run`` and ``grpo plan`` use too), prepared first if it is not
     there yet. The content hash is checked, so a prepared directory edited since is refused, not read."""
-    from grpo.pipeline.stages import (
-        cached_prep,  # lazy: grpo.pipeline.stages imports grpo.training.policy, which imports this module
-    )
+    # lazy: grpo.pipeline.stages imports grpo.training.policy, which imports this module
+    from grpo.pipeline.stages import cached_prep
 
     return load_prepared(Path(cached_prep(cfg)["data_dir"]))

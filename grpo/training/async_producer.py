@@ -160,7 +160,7 @@ def sample_round(model, prompt_ids: list[list[int]], gen: dict) -> tuple[list[li
             use_cache=applies(GENERATION_KV_CACHE, model),
         )
     seqs = out.sequences[:, width:]
-    logps = torch.stack([torch.log_softmax(l.float() / gen["temperature"], -1) for l in out.logits], 1)
+    logps = torch.stack([torch.log_softmax(step_logits.float() / gen["temperature"], -1) for step_logits in out.logits], 1)
     token_logps = logps.gather(-1, seqs[..., None]).squeeze(-1)
     completions, completion_logps = [], []
     for row, lp in zip(seqs.tolist(), token_logps.tolist()):
