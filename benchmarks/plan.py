@@ -70,7 +70,8 @@ def main(smoke: bool = False) -> dict:
     }
     return {
         "config": {"prompts": n_prompts, "num_generations": GENERATIONS, "per_device_train_batch_size": PER_DEVICE,
-                   "world_size": WORLD, "sequence_parallel_degree": 1, "max_steps": max_steps, "seqlen_balancing": True},
+                   "world_size": WORLD, "sequence_parallel_degree": 1, "max_steps": max_steps,
+                   "seqlen_balancing": True},
         "targets": {"seconds": TARGET_SECONDS, "peak_rss_mb": TARGET_RSS_MB},
         "seconds": round(child["seconds"], 3),
         "subprocess_wall_seconds": round(wall, 3),

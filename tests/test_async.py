@@ -40,7 +40,8 @@ def test_prefetched_rollouts_are_one_version_old_and_logged(tmp_path):
     assert summary["steps"] == 8
     staleness = [r["async/staleness_max"] for r in rows if "async/staleness_max" in r]
     assert len(staleness) == 8 and max(staleness) <= 1 and staleness[1:] == [1.0] * 7  # generated a step ahead
-    for key in ("async/staleness_mean", "async/dropped_stale", "async/queue_wait_s", "async/generate_s", "async/train_s"):
+    for key in ("async/staleness_mean", "async/dropped_stale", "async/queue_wait_s", "async/generate_s",
+                "async/train_s"):
         assert any(key in r for r in rows), key
     assert sum(r.get("async/dropped_stale", 0) for r in rows) == 0
 
@@ -185,7 +186,8 @@ _COMPUTED = ("reward", "async/staleness", "async/dropped_stale", "sampling/", "l
 
 
 def _computed(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k.startswith(_COMPUTED) and not k.endswith(("_s", "_seconds"))} for r in rows]
+    return [{k: v for k, v in r.items() if k.startswith(_COMPUTED) and not k.endswith(("_s", "_seconds"))}
+            for r in rows]
 
 
 def test_a_slow_generator_and_a_slow_reward_worker_change_nothing_but_timing(tmp_path, monkeypatch):

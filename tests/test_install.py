@@ -93,5 +93,6 @@ def test_the_wheel_ships_the_presets(tmp_path):
     assert built.returncode == 0, built.stderr[-3000:]
     [wheel] = (tmp_path / "dist").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {f"grpo/presets/{n}.yaml" for n in presets()} | {f"grpo/presets/spaces/{n}.yaml" for n in presets("spaces")}
+    expected = ({f"grpo/presets/{n}.yaml" for n in presets()}
+                | {f"grpo/presets/spaces/{n}.yaml" for n in presets("spaces")})
     assert len(expected) >= 3 and expected <= names, sorted(expected - names)

@@ -79,8 +79,8 @@ def test_inject_rerolls_replaces_last_groups():
 
 def test_place_group_widens_the_batch():
     batch = {"prompt_ids": torch.ones(4, 2, dtype=torch.long), "prompt_mask": torch.ones(4, 2, dtype=torch.long),
-             "completion_ids": torch.ones(4, 2, dtype=torch.long), "completion_mask": torch.ones(4, 2, dtype=torch.long),
-             "advantages": torch.zeros(4)}
+             "completion_ids": torch.ones(4, 2, dtype=torch.long),
+             "completion_mask": torch.ones(4, 2, dtype=torch.long), "advantages": torch.zeros(4)}
     group = {"prompt_ids": torch.full((2, 3), 7), "prompt_mask": torch.ones(2, 3, dtype=torch.long),
              "completion_ids": torch.full((2, 4), 9), "completion_mask": torch.ones(2, 4, dtype=torch.long)}
     place_group(batch, slice(2, 4), group, pad_token_id=0)

@@ -154,7 +154,8 @@ def build_deployments(
         from flows.sweep import grpo_sweep
 
         deployments.append(grpo_sweep.to_deployment(
-            name=name, parameters={**starting_point(config_path), **SWEEP_PARAMETERS}, tags=["grpo", "served", "sweep"], **module,
+            name=name, parameters={**starting_point(config_path), **SWEEP_PARAMETERS}, tags=["grpo", "served", "sweep"],
+            **module,
             description="GRPO sweep served by `grpo serve`: one pipeline run per trial of `space`.",
             **schedule_for("sweep")))
     return deployments
