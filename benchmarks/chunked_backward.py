@@ -28,8 +28,8 @@ def _trainer(tmp: Path, chunks: int, group: int, length: int):
 
     from grpo.config import load_config
     from grpo.pipeline.data import load_data
-    from grpo.training.policy import load_policy
     from grpo.rewards import get_reward
+    from grpo.training.policy import load_policy
     from grpo.training.train import grpo_args
     from grpo.training.trainer import GRPOTrainer
 
@@ -48,7 +48,8 @@ def _trainer(tmp: Path, chunks: int, group: int, length: int):
     g = torch.Generator().manual_seed(0)
     vocab = trainer.model.config.vocab_size
     batch = {
-        "prompt_ids": torch.randint(3, vocab, (group, 6), generator=g), "prompt_mask": torch.ones(group, 6, dtype=torch.long),
+        "prompt_ids": torch.randint(3, vocab, (group, 6), generator=g),
+        "prompt_mask": torch.ones(group, 6, dtype=torch.long),
         "completion_ids": torch.randint(3, vocab, (group, length), generator=g),
         "completion_mask": torch.ones(group, length, dtype=torch.long),
         "advantages": torch.randn(group, generator=g), "num_items_in_batch": torch.tensor(float(group * length)),
@@ -127,6 +128,7 @@ def main(smoke: bool = False) -> dict:
     }
 
 
-if __name__ == "__main__":  # the measuring child: python -m benchmarks.chunked_backward --child CHUNKS GROUP LENGTH FILE
+# The measuring child: python -m benchmarks.chunked_backward --child CHUNKS GROUP LENGTH FILE
+if __name__ == "__main__":
     if len(sys.argv) == 6 and sys.argv[1] == "--child":
         print(json.dumps(_child(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])))

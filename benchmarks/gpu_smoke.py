@@ -6,19 +6,19 @@ infra/install.sh``). CI never runs it; on a machine without CUDA or vLLM it stop
 
 What it does:
 
-1. Starts ``trl vllm-serve --model MODEL`` (``python -m trl.scripts.vllm_serve``) on ``--server-gpu`` (default: GPU 1) -- or uses ``--server URL`` -- and
-   waits for ``/health``. The server must be on a GPU of its own: the weight sync is an NCCL group of the trainer and
-   the server, and NCCL can not hold two ranks on one device (huggingface/trl#3158, #3487). ``--same-gpu`` tries one
-   GPU for both anyway (expect ``NCCL error: invalid usage`` at the first weight sync).
+1. Starts ``trl vllm-serve --model MODEL`` (``python -m trl.scripts.vllm_serve``) on ``--server-gpu`` (default: GPU 1)
+   -- or uses ``--server URL`` -- and waits for ``/health``. The server must be on a GPU of its own: the weight sync is
+   an NCCL group of the trainer and the server, and NCCL can not hold two ranks on one device (huggingface/trl#3158,
+   #3487). ``--same-gpu`` tries one GPU for both anyway (expect ``NCCL error: invalid usage`` at the first weight sync).
 2. Trains the preset for ``--steps`` steps twice, each in its own process on ``--trainer-gpu`` (default: GPU 0), with a
    fresh server each (unless ``--server``): ``sync`` -- TRL's synchronous vLLM server mode (``grpo.use_vllm: true``,
    ``grpo.vllm_mode: server``), weights pushed every step; ``async`` -- the same plus ``async.use_data_producer``,
-   ``async_prefetch``, ``prefetch_depth: 1``, ``max_staleness: 1``, ``vllm_sync_interval: 1`` and the importance-sampling
-   correction: the vLLM server engine (grpo/training/rollout_engines.py) generates round r+1 while round r trains.
-   With ``--environment NAME`` (e.g. ``guess_digit``, ``calculator``) both runs are rounds of multi-turn episodes in
-   that registered environment (``environment.name``, reward ``env_reward``): the sync run's episodes through TRL's
-   ``rollout_func``, the async run's from the vLLM server engine, which runs the episode runner over TRL's client
-   (one ``/v1/completions`` request per turn for every live episode, the environment's stop strings as vLLM's
+   ``async_prefetch``, ``prefetch_depth: 1``, ``max_staleness: 1``, ``vllm_sync_interval: 1`` and the
+   importance-sampling correction: the vLLM server engine (grpo/training/rollout_engines.py) generates round r+1 while
+   round r trains. With ``--environment NAME`` (e.g. ``guess_digit``, ``calculator``) both runs are rounds of multi-turn
+   episodes in that registered environment (``environment.name``, reward ``env_reward``): the sync run's episodes
+   through TRL's ``rollout_func``, the async run's from the vLLM server engine, which runs the episode runner over TRL's
+   client (one ``/v1/completions`` request per turn for every live episode, the environment's stop strings as vLLM's
    ``stop``), each round with one policy version.
 3. Prints ``{"ratio_async_over_sync": ..., "sync_step_s": ..., "async_step_s": ..., ...}``: median steady-state step
    times (the first 3 steps skipped), the async run's staleness, dropped rounds and IS-ratio range (a broken weight

@@ -29,8 +29,8 @@ def _child(out_dir: str, n_prompts: int, max_steps: int) -> None:
     """Runs in the subprocess: build the plan, time it and a resume read, print one JSON line."""
     import numpy as np
 
-    from grpo.config import load_config
     from grpo.algo.plan import read_plan_indices
+    from grpo.config import load_config
     from grpo.pipeline.plans import build_plan
 
     base = load_config(None, [f"grpo.per_device_train_batch_size={PER_DEVICE}", f"grpo.num_generations={GENERATIONS}",
@@ -70,7 +70,8 @@ def main(smoke: bool = False) -> dict:
     }
     return {
         "config": {"prompts": n_prompts, "num_generations": GENERATIONS, "per_device_train_batch_size": PER_DEVICE,
-                   "world_size": WORLD, "sequence_parallel_degree": 1, "max_steps": max_steps, "seqlen_balancing": True},
+                   "world_size": WORLD, "sequence_parallel_degree": 1, "max_steps": max_steps,
+                   "seqlen_balancing": True},
         "targets": {"seconds": TARGET_SECONDS, "peak_rss_mb": TARGET_RSS_MB},
         "seconds": round(child["seconds"], 3),
         "subprocess_wall_seconds": round(wall, 3),

@@ -5,9 +5,9 @@ forward, which runs each group's prompt once in the log-prob forward and in gene
 
 How users judge a GRPO stack: not steps per second but wall time to a given accuracy. Both trainers start from the same
 warm-started tiny policy on the default task with the same data, seed and hyperparameters (the tiny preset). Every
-``BENCH_EVAL_EVERY`` optimizer steps the run pauses its clock, measures greedy accuracy on a fixed subset of the held-out
-split and stops once it is >= ``BENCH_TARGET``; evaluation time is excluded for both. Runs alternate (seed 0: ours then
-TRL; seed 1: TRL then ours) so machine noise hits both alike.
+``BENCH_EVAL_EVERY`` optimizer steps the run pauses its clock, measures greedy accuracy on a fixed subset of the
+held-out split and stops once it is >= ``BENCH_TARGET``; evaluation time is excluded for both. Runs alternate (seed 0:
+ours then TRL; seed 1: TRL then ours) so machine noise hits both alike.
 
 Reported: the ratio of median training seconds to target (ours / TRL; goal <= 0.7), steps to target for both (sample
 efficiency apart from step speed), the final accuracy of both, and the per-step time ratio at equal steps (training

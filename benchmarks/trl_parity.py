@@ -28,8 +28,8 @@ def main(smoke: bool = False) -> dict:
 
     from grpo.config import load_config
     from grpo.pipeline.data import load_data
-    from grpo.training.policy import load_policy
     from grpo.rewards import get_reward
+    from grpo.training.policy import load_policy
     from grpo.training.train import grpo_args
     from grpo.training.trainer import GRPOTrainer
 

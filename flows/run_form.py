@@ -201,7 +201,8 @@ def common_field_schema(param: str) -> dict[str, Any]:
     prop = _without_null({k: v for k, v in prop.items() if k not in ("default", "title")})
     text = prop.get("description", "").strip().rstrip(".")
     values = _preset_values_text(path)
-    prop["description"] = ((f"{text}. " if text else "") + f"Empty: the preset's value{f' ({values})' if values else ''}."
+    prop["description"] = ((f"{text}. " if text else "")
+                           + f"Empty: the preset's value{f' ({values})' if values else ''}."
                            f" (`{path}`)")
     return {"title": title, **prop}
 

@@ -64,14 +64,16 @@ def prep_flow(config: ExperimentConfig) -> dict:
     stats = task_(config.data.model_dump(mode="json"), str(out_dir), config)
     create_markdown_artifact(key="dataset-prep", markdown=f"## Dataset prep\n\n{dataset_summary(config, stats)}",
                              description="Dataset prep summary")
-    create_table_artifact(key="dataset-stats", table=dataset_table(stats), description="Rows per split and quarantine rules")
+    create_table_artifact(key="dataset-stats", table=dataset_table(stats),
+                          description="Rows per split and quarantine rules")
     return stats
 
 
 def dataset_summary(config: ExperimentConfig, stats: dict) -> str:
     """The prep summary in markdown (the prep subflow's artifact, and the pipeline flow run's dataset table's
     description)."""
-    quarantine = f" (reasons in `{Path(stats['data_dir']) / 'quarantine.jsonl'}`)" if stats.get("rows_quarantined") else ""
+    quarantine = (f" (reasons in `{Path(stats['data_dir']) / 'quarantine.jsonl'}`)"
+                  if stats.get("rows_quarantined") else "")
     return (f"Source `{config.data.source}` → `{stats['data_dir']}`\n\n"
             f"- rows in: **{stats['rows_in']}**, valid: **{stats['rows_valid']}**, "
             f"quarantined: **{stats['rows_quarantined']}**{quarantine}\n- content hash: `{stats['content_hash']}`\n")
@@ -131,7 +133,8 @@ class PrefectProgress(TrainerCallback):
         parts = [f"step {step}/{max_steps}"]
         if isinstance(self.logged.get("reward"), (int, float)):
             std = self.logged.get("reward_std")
-            parts.append(f"reward {self.logged['reward']:.3f}" + (f" ±{std:.2f}" if isinstance(std, (int, float)) else ""))
+            parts.append(f"reward {self.logged['reward']:.3f}"
+                         + (f" ±{std:.2f}" if isinstance(std, (int, float)) else ""))
         if self.before and self.before.get("accuracy") is not None:
             parts.append(f"eval accuracy before {self.before['accuracy']:.3f}")
         return " · ".join(parts)
@@ -187,7 +190,8 @@ def summarize_for_ui(summary: dict[str, Any]) -> str:
         return "—" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
     def change(before: Any, after: Any) -> str:
-        delta = f" ({after - before:+.3f})" if isinstance(before, (int, float)) and isinstance(after, (int, float)) else ""
+        delta = (f" ({after - before:+.3f})"
+                 if isinstance(before, (int, float)) and isinstance(after, (int, float)) else "")
         return f"{num(before)} → **{num(after)}**{delta}"
 
     rows = [("eval accuracy", change(summary.get("eval_accuracy_before"), summary.get("eval_accuracy_after")))]
@@ -199,7 +203,8 @@ def summarize_for_ui(summary: dict[str, Any]) -> str:
     rows += [("reward (first → last logged step)", change(summary.get("reward_first"), summary.get("reward_last"))),
              ("optimizer steps", num(summary.get("steps"))
               + (f" (resumed from `{Path(summary['resumed_from']).name}`)" if summary.get("resumed_from") else "")),
-             ("training / whole run", f"{num(summary.get('train_seconds'), 1)} s / {num(summary.get('wall_seconds'), 1)} s"),
+             ("training / whole run",
+              f"{num(summary.get('train_seconds'), 1)} s / {num(summary.get('wall_seconds'), 1)} s"),
              ("data content hash", f"`{str(summary.get('data_content_hash') or '—')[:12]}`"),
              ("run directory", f"`{summary.get('run_dir', '—')}`"),
              ("MLflow run", f"`{summary.get('mlflow_run_id') or '— (tracking off)'}`")]

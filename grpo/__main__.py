@@ -1,4 +1,5 @@
-"""``python -m grpo ...`` is the ``grpo`` command (what ``torchrun -m grpo run`` / ``accelerate launch -m grpo`` run)."""
+"""``python -m grpo ...`` is the ``grpo`` command (what ``torchrun -m grpo run`` / ``accelerate launch -m grpo``
+run)."""
 
 from grpo.app.cli import main
 

@@ -128,7 +128,8 @@ def validate_run_name(name: str) -> str:
 
 
 # What a run directory holds before training writes anything (metrics.jsonl, checkpoints/, model/, summary.json).
-_BEFORE_TRAINING = {".lock", "config.yaml", "run.log", "inputs.json", "eval_before.json", "tracking_spool", "plan", "data"}
+_BEFORE_TRAINING = {".lock", "config.yaml", "run.log", "inputs.json", "eval_before.json", "tracking_spool", "plan",
+                    "data"}
 
 
 _LOCK = ".lock"
@@ -223,7 +224,9 @@ def open_run_dir(cfg: ExperimentConfig, run_name: str, resume: bool) -> RunDir:
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         run.config_file.write_text(to_yaml(cfg))
     except OSError as err:
-        raise RunDirectoryError(f"output_dir {cfg.output_dir}: can not create {run.path}: {err.strerror or err}") from None
+        raise RunDirectoryError(
+            f"output_dir {cfg.output_dir}: can not create {run.path}: {err.strerror or err}"
+        ) from None
     return run
 
 

@@ -82,5 +82,6 @@ def submit(page, server, deployment_id: str, known: set[str], button: str = "Sub
             continue
         if time.monotonic() > deadline:
             page.screenshot(path=str(SCREENSHOTS / "prefect-submit-failed.png"))
-            pytest.fail("no flow run 180 s after submitting; the page says: " + page.locator("body").inner_text()[-1500:])
+            pytest.fail("no flow run 180 s after submitting; the page says: "
+                        + page.locator("body").inner_text()[-1500:])
         time.sleep(1)

@@ -29,7 +29,7 @@ import time
 import zlib
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 if __package__ in (None, ""):  # run as a script by torchrun: make ``tests`` and ``grpo`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -38,6 +38,9 @@ from grpo.environments import register_environment
 from grpo.environments.builtin import GuessDigitEnvironment
 from grpo.rewards import register_reward
 from tests.pairwise import Row, pairwise_design
+
+if TYPE_CHECKING:  # annotations only: the functions that train import torch where they run
+    import torch
 
 OPTIONS: dict[str, list[Any]] = {
     "replay": [False, True],

@@ -18,14 +18,14 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
 import pytest
 import requests
 from filelock import FileLock
 
 from grpo.app.procguard import die_with_parent, guarded_command
 from grpo.app.ui import wait_healthy
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def popen_guarded(cmd: list[str], owner_pid: int | None = None, **kw) -> subprocess.Popen:

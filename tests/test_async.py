@@ -40,7 +40,8 @@ def test_prefetched_rollouts_are_one_version_old_and_logged(tmp_path):
     assert summary["steps"] == 8
     staleness = [r["async/staleness_max"] for r in rows if "async/staleness_max" in r]
     assert len(staleness) == 8 and max(staleness) <= 1 and staleness[1:] == [1.0] * 7  # generated a step ahead
-    for key in ("async/staleness_mean", "async/dropped_stale", "async/queue_wait_s", "async/generate_s", "async/train_s"):
+    for key in ("async/staleness_mean", "async/dropped_stale", "async/queue_wait_s", "async/generate_s",
+                "async/train_s"):
         assert any(key in r for r in rows), key
     assert sum(r.get("async/dropped_stale", 0) for r in rows) == 0
 
@@ -185,7 +186,8 @@ _COMPUTED = ("reward", "async/staleness", "async/dropped_stale", "sampling/", "l
 
 
 def _computed(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k.startswith(_COMPUTED) and not k.endswith(("_s", "_seconds"))} for r in rows]
+    return [{k: v for k, v in r.items() if k.startswith(_COMPUTED) and not k.endswith(("_s", "_seconds"))}
+            for r in rows]
 
 
 def test_a_slow_generator_and_a_slow_reward_worker_change_nothing_but_timing(tmp_path, monkeypatch):
@@ -196,8 +198,8 @@ def test_a_slow_generator_and_a_slow_reward_worker_change_nothing_but_timing(tmp
     staleness per step, importance-sampling statistics and final weights, byte for byte. Each round's policy version
     follows from prefetch_depth 2 and vllm_sync_interval 1 alone: round 0 generated now, rounds 1-2 submitted at step
     0 behind the first weights, round k >= 3 submitted at step k-2 behind the push of step k-2 (staleness 2)."""
-    from tests import deterministic_rewards  # noqa: F401 - registers the rewards
     from grpo.training.async_producer import TEST_DELAY_ENV
+    from tests import deterministic_rewards  # noqa: F401 - registers the rewards
 
     def run(name: str, slow: bool):
         slow_dir = tmp_path / f"slow-{name}"

@@ -17,8 +17,14 @@ import trl
 from grpo.config import load_config
 from grpo.training.zero_advantage import normaliser_share, rows_to_keep
 from tests.conftest import MICRO, micro_overrides
-from tests.test_loss_extensions import (LOSS_TYPES, configure, make_trainer, relative_difference, step_gradient,
-                                        token_budget_scenario)
+from tests.test_loss_extensions import (
+    LOSS_TYPES,
+    configure,
+    make_trainer,
+    relative_difference,
+    step_gradient,
+    token_budget_scenario,
+)
 
 REL = 1e-5
 
@@ -45,7 +51,8 @@ def shared(tmp_path_factory):
     with torch.no_grad():  # an older policy's log-probs, so ratios differ from 1 and clipping/IS weights matter
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, batch["completion_ids"].shape[1])
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask,
+                                                                 batch["completion_ids"].shape[1])
     batch["old_per_token_logps"] = logps + 0.05 * torch.randn(logps.shape, generator=torch.Generator().manual_seed(1))
     return trainer, batch
 
@@ -116,7 +123,8 @@ def test_per_row_loss_options_stay_exact(shared, loss_type, option):
     configure(trainer, loss_type)
     batch = dict(batch)
     g = torch.Generator().manual_seed(4)
-    saved = trainer.off_policy_mask_threshold, trainer.args.delta, trainer.use_vllm, trainer.vllm_importance_sampling_correction
+    saved = (trainer.off_policy_mask_threshold, trainer.args.delta, trainer.use_vllm,
+             trainer.vllm_importance_sampling_correction)
     try:
         if option == "off_policy_mask":
             trainer.off_policy_mask_threshold = 0.0  # negative-advantage rows with sampling KL > 0 are dropped

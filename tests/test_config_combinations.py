@@ -100,7 +100,8 @@ REFUSED = {
     ),
     "lora_on_the_output_layer": (
         ["model.lora.enabled=true", "model.lora.target_modules=[q_proj,lm_head]"],
-        ["model.lora.target_modules: 'lm_head' can not carry an adapter", "lm_head.weight directly", "valid: 'all-linear'"],
+        ["model.lora.target_modules: 'lm_head' can not carry an adapter", "lm_head.weight directly",
+         "valid: 'all-linear'"],
         ["model.lora.enabled=true", "model.lora.target_modules=[q_proj,v_proj]"],
     ),
     "lora_on_the_tied_embeddings": (
@@ -129,9 +130,9 @@ def test_platform_mapped_fields_reach_trl(tmp_path):
     from grpo.training.train import grpo_args
 
     cfg = load_config(None, ["async.use_data_producer=true", "async.vllm_importance_sampling_correction=true",
-                             "async.vllm_importance_sampling_mode=sequence_mask", "async.vllm_importance_sampling_cap=3",
-                             "async.off_policy_mask_threshold=0.25", "async.use_bias_correction_kl=true",
-                             "sampling.shuffle=false"])
+                             "async.vllm_importance_sampling_mode=sequence_mask",
+                             "async.vllm_importance_sampling_cap=3", "async.off_policy_mask_threshold=0.25",
+                             "async.use_bias_correction_kl=true", "sampling.shuffle=false"])
     args = grpo_args(cfg, tmp_path)
     assert args.vllm_importance_sampling_correction is True
     assert args.vllm_importance_sampling_mode == "sequence_mask" and args.vllm_importance_sampling_clip_max == 3

@@ -1,5 +1,5 @@
-"""Data sources through the one reader (``grpo.pipeline.data.load_data``, the prep stage's cached output): the synthetic task,
-local files with column mapping, hub layouts, the errors for bad sources, and ``grpo plan`` planning over exactly
+"""Data sources through the one reader (``grpo.pipeline.data.load_data``, the prep stage's cached output): the synthetic
+task, local files with column mapping, hub layouts, the errors for bad sources, and ``grpo plan`` planning over exactly
 the rows a run trains on."""
 
 from __future__ import annotations

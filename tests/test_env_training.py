@@ -250,8 +250,8 @@ def test_a_replayed_episode_group_keeps_its_environment_mask():
     from grpo.algo.replay import place_group
 
     batch = {"prompt_ids": torch.ones(4, 2, dtype=torch.long), "prompt_mask": torch.ones(4, 2, dtype=torch.long),
-             "completion_ids": torch.ones(4, 3, dtype=torch.long), "completion_mask": torch.ones(4, 3, dtype=torch.long),
-             "tool_mask": torch.ones(4, 3, dtype=torch.long)}
+             "completion_ids": torch.ones(4, 3, dtype=torch.long),
+             "completion_mask": torch.ones(4, 3, dtype=torch.long), "tool_mask": torch.ones(4, 3, dtype=torch.long)}
     group = {"prompt_ids": torch.ones(2, 2, dtype=torch.long), "prompt_mask": torch.ones(2, 2, dtype=torch.long),
              "completion_ids": torch.full((2, 5), 7), "completion_mask": torch.ones(2, 5, dtype=torch.long),
              "tool_mask": torch.tensor([[1, 0, 0, 1, 1], [1, 1, 0, 1, 1]])}

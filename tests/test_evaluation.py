@@ -77,8 +77,8 @@ def test_generation_uses_the_kv_cache_though_the_trained_config_turns_it_off(pol
         assert widths[0] == 6 and len(widths) > 1 and set(widths[1:]) == {1}, widths  # the prompt once, then 1 token
         widths.clear()
         ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:2]]
-        gen = {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "pad_token_id": tokenizer.pad_token_id,
-               "eos_token_ids": [-1]}  # never ends early: 4 tokens each
+        gen = {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+               "pad_token_id": tokenizer.pad_token_id, "eos_token_ids": [-1]}  # never ends early: 4 tokens each
         completions, logps = sample_round(model, ids, gen)
         assert widths == [6, 1, 1, 1], widths
         assert [len(c) for c in completions] == [4, 4] and [len(lp) for lp in logps] == [4, 4]

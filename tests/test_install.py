@@ -40,8 +40,9 @@ def test_installed_versions_are_the_locked_ones():
 
 def test_lock_satisfies_pyproject_and_names_no_index():
     """The lock is what `make lock` resolves from pyproject.toml's ranges; no index URL or registry host anywhere."""
-    from packaging.requirements import Requirement
     import tomllib
+
+    from packaging.requirements import Requirement
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     locked = pins(REPO / "constraints.txt")
@@ -92,5 +93,6 @@ def test_the_wheel_ships_the_presets(tmp_path):
     assert built.returncode == 0, built.stderr[-3000:]
     [wheel] = (tmp_path / "dist").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {f"grpo/presets/{n}.yaml" for n in presets()} | {f"grpo/presets/spaces/{n}.yaml" for n in presets("spaces")}
+    expected = ({f"grpo/presets/{n}.yaml" for n in presets()}
+                | {f"grpo/presets/spaces/{n}.yaml" for n in presets("spaces")})
     assert len(expected) >= 3 and expected <= names, sorted(expected - names)

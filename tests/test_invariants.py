@@ -16,7 +16,18 @@ import pytest
 
 from grpo.config import config_from_dict
 from grpo.errors import ConfigError
-from tests.invariant_matrix import BASE, ENV_PROBES, KNOWN_GAPS, OPTIONS, PROBES, REFUSED, config_dict, design, name_of, steps_for
+from tests.invariant_matrix import (
+    BASE,
+    ENV_PROBES,
+    KNOWN_GAPS,
+    OPTIONS,
+    PROBES,
+    REFUSED,
+    config_dict,
+    design,
+    name_of,
+    steps_for,
+)
 from tests.pairwise import all_pairs, pairs_of
 from tests.servers import free_port
 

@@ -42,7 +42,8 @@ def shared(tmp_path_factory):
     with torch.no_grad():  # an older policy's log-probs, so ratios differ from 1 and clipping/IS weights matter
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, batch["completion_ids"].shape[1])
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask,
+                                                                 batch["completion_ids"].shape[1])
     batch["old_per_token_logps"] = logps + 0.05 * torch.randn(logps.shape, generator=torch.Generator().manual_seed(1))
     return trainer, batch
 
@@ -145,7 +146,8 @@ def token_budget_scenario(trainer: GRPOTrainer, advantages: torch.Tensor) -> Ite
         args.per_device_train_batch_size, args.steps_per_generation = saved
 
 
-@pytest.mark.parametrize("loss_type, chunks", [(t, 1) for t in LOSS_TYPES if t != "bnpo"] + [("grpo", 2), ("dr_grpo", 4)])
+@pytest.mark.parametrize("loss_type, chunks",
+                         [(t, 1) for t in LOSS_TYPES if t != "bnpo"] + [("grpo", 2), ("dr_grpo", 4)])
 def test_token_budget_micro_batches_give_the_unbalanced_gradient(shared, loss_type, chunks):
     """sampling.seqlen_balancing: two ranks, 2 micro-batches of 8 rows each when unbalanced; balanced, one rank holds
     three groups and the other one, and token budgets give micro-batches of unequal row counts. Same gradient."""

@@ -11,8 +11,13 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from grpo.training.model_support import (COMPACT_ZERO_ADVANTAGE, GENERATION_KV_CACHE, SHARED_PROMPT_FORWARD, applies,
-                                         unsupported)
+from grpo.training.model_support import (
+    COMPACT_ZERO_ADVANTAGE,
+    GENERATION_KV_CACHE,
+    SHARED_PROMPT_FORWARD,
+    applies,
+    unsupported,
+)
 from tests.own_model import ARCHITECTURES, tiny_config
 
 RECURRENT = {"nemotron_h", "falcon_h1", "qwen3_next"}

@@ -78,7 +78,8 @@ def test_torchrun_ranks_train_on_disjoint_prompts(tmp_path, nproc):
         "grpo.reward_funcs": "[exact_match_recorded,digits_format]",
         "evaluation.num_prompts": 16, "evaluation.pass_k": 0,
     })
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()),
            "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "ddp", "--reward-module", str(module),
            "--reward-module", str(digest_module)]
     for item in overrides:
@@ -153,7 +154,8 @@ def test_torchrun_resume_after_a_crash_continues_every_rank_from_the_checkpoint(
     })
 
     def launch(name: str, *extra: str, kill: bool) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(free_port()),
                "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "crash", *extra,
                "--reward-module", str(recorder), "--reward-module", str(tmp_path / "param_digest.py")]
         if kill:
@@ -317,7 +319,8 @@ class Host(SeqlenBalancing):
 lens = torch.tensor([8] * 12 if rank == 0 else [1, 1, 1, 21, 1, 1, 1, 21, 2, 2, 2, 2])
 ids = torch.arange(12) + 1000 * rank
 cmask = (torch.arange(21)[None] < lens[:, None]).long()
-lb = {"row_id": ids, "prompt_ids": torch.ones(12, 2, dtype=torch.long), "prompt_mask": torch.ones(12, 2, dtype=torch.long),
+lb = {"row_id": ids, "prompt_ids": torch.ones(12, 2, dtype=torch.long),
+      "prompt_mask": torch.ones(12, 2, dtype=torch.long),
       "completion_ids": cmask, "completion_mask": cmask, "advantages": torch.zeros(12)}
 by_coef = {}
 for coef in (None, 1.0):
@@ -424,7 +427,8 @@ def test_torchrun_decide_on_main_gives_rank_0_result_and_errors_to_every_rank(tm
     r0, r1 = (json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1))
     assert r0["ok"] == r1["ok"] == "from rank 0"
     assert r0["refused"] == r1["refused"] == ["ConfigError", "run directory exists"]
-    assert r0["crashed"] == ["KeyError", "'bug'"] and r1["crashed"] == ["RuntimeError", "rank 0 failed: KeyError: 'bug'"]
+    assert (r0["crashed"] == ["KeyError", "'bug'"]
+            and r1["crashed"] == ["RuntimeError", "rank 0 failed: KeyError: 'bug'"])
     assert r0["calls"] == ["from rank 0", "refuse", "crash"] and r1["calls"] == []
 
 
@@ -498,9 +502,10 @@ def test_two_nodes_c10d_rendezvous_with_the_toolkit(tmp_path):
     assert summary["steps"] == 3
 
 
-# Loaded into every rank with --reward-module: at the end of step $HOLD_AT_STEP each rank writes $HOLD_DIR/holding-<rank>
-# and waits for $HOLD_DIR/go, which lists the ranks the test has signalled; a listed rank then also waits until its
-# handler has seen the signal. So the signal arrives inside that step, on every run, however fast the ranks are.
+# Loaded into every rank with --reward-module: at the end of step $HOLD_AT_STEP each rank writes
+# $HOLD_DIR/holding-<rank> and waits for $HOLD_DIR/go, which lists the ranks the test has signalled; a listed rank then
+# also waits until its handler has seen the signal. So the signal arrives inside that step, on every run, however fast
+# the ranks are.
 # (Added in Trainer.__init__, so it runs before the platform's StopAtStepEnd, added after construction.)
 HOLD_AT_STEP = """
 import os, time
@@ -600,7 +605,8 @@ def test_torchrun_ranks_agree_on_the_interrupted_step_all_save_it_and_resume_exa
     (tmp_path / "hold.py").write_text(HOLD_AT_STEP)
     hold = tmp_path / "hold"
     hold.mkdir()
-    proc, log = _torchrun(tmp_path, "stopped", str(tmp_path / "hold.py"), env={"HOLD_AT_STEP": "2", "HOLD_DIR": str(hold)})
+    proc, log = _torchrun(tmp_path, "stopped", str(tmp_path / "hold.py"),
+                          env={"HOLD_AT_STEP": "2", "HOLD_DIR": str(hold)})
     deadline = time.monotonic() + 900
     while not ((hold / "holding-0").exists() and (hold / "holding-1").exists()):
         if proc.poll() is not None or time.monotonic() > deadline:

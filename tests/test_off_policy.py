@@ -93,7 +93,8 @@ def test_weights_from_the_training_forward_equal_an_extra_pass_with_one_forward_
     g = torch.Generator().manual_seed(0)
     n, p, t = 8, 5, 4
     vocab = model.config.vocab_size
-    batch = {"prompt_ids": torch.randint(3, vocab, (n, p), generator=g), "prompt_mask": torch.ones(n, p, dtype=torch.long),
+    batch = {"prompt_ids": torch.randint(3, vocab, (n, p), generator=g),
+             "prompt_mask": torch.ones(n, p, dtype=torch.long),
              "completion_ids": torch.randint(3, vocab, (n, t), generator=g),
              "completion_mask": torch.ones(n, t, dtype=torch.long), "advantages": torch.randn(n, generator=g),
              "num_items_in_batch": torch.tensor(float(n * t))}

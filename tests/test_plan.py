@@ -119,7 +119,8 @@ def test_plan_equals_sampler_for_every_rank_and_resumes_exactly(case):
             for k in {0, 1, summary.generation_rounds // 2, summary.generation_rounds}:
                 if k <= summary.generation_rounds:
                     assert list(read_plan_indices(path, group, start_round=k)) == got[k * per_round :]
-                    assert len(PlanSampler(path, rank, spec.sequence_parallel_degree, start_round=k)) == length - k * per_round
+                    assert (len(PlanSampler(path, rank, spec.sequence_parallel_degree, start_round=k))
+                            == length - k * per_round)
         table = pq.read_table(path)
         assert table.num_rows == summary.rows == summary.generation_rounds * summary.prompts_per_round
         assert table.schema.remove_metadata() == plan.SCHEMA
@@ -229,8 +230,8 @@ def test_cli_plan_end_to_end_then_refuses_to_overwrite(tmp_path):
 
 def test_cli_plan_bad_input_is_one_line_exit_2(tmp_path):
     tiny = "tiny"
-    result = grpo_cli("plan", "--config", tiny, "--set", f"output_dir={tmp_path / 'runs'}", "--set", "sampling.drop_last=true",
-                      "--set", "data.num_train=3", cwd=tmp_path)
+    result = grpo_cli("plan", "--config", tiny, "--set", f"output_dir={tmp_path / 'runs'}",
+                      "--set", "sampling.drop_last=true", "--set", "data.num_train=3", cwd=tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: sampling.drop_last: the training split has 3 prompts")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from grpo.algo.replay import ReplayBuffer, RerollBuffer, group_advantages, inject_rerolls, nan_std, place_group
 from grpo.config import load_config
 from grpo.pipeline.data import load_data
 from grpo.rewards import get_reward, register_reward
 from grpo.training.policy import load_policy
-from grpo.algo.replay import ReplayBuffer, RerollBuffer, group_advantages, inject_rerolls, nan_std, place_group
 from grpo.training.train import grpo_args
 from grpo.training.trainer import GRPOTrainer
 from tests.conftest import MICRO, micro_overrides
@@ -79,8 +79,8 @@ def test_inject_rerolls_replaces_last_groups():
 
 def test_place_group_widens_the_batch():
     batch = {"prompt_ids": torch.ones(4, 2, dtype=torch.long), "prompt_mask": torch.ones(4, 2, dtype=torch.long),
-             "completion_ids": torch.ones(4, 2, dtype=torch.long), "completion_mask": torch.ones(4, 2, dtype=torch.long),
-             "advantages": torch.zeros(4)}
+             "completion_ids": torch.ones(4, 2, dtype=torch.long),
+             "completion_mask": torch.ones(4, 2, dtype=torch.long), "advantages": torch.zeros(4)}
     group = {"prompt_ids": torch.full((2, 3), 7), "prompt_mask": torch.ones(2, 3, dtype=torch.long),
              "completion_ids": torch.full((2, 4), 9), "completion_mask": torch.ones(2, 4, dtype=torch.long)}
     place_group(batch, slice(2, 4), group, pad_token_id=0)

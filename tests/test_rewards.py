@@ -31,7 +31,8 @@ def test_last_number_match_gsm8k_style():
 
 def test_format_rewards():
     assert digits_format(completions=["46", "-3", "4 6", "46a", ""]) == [1.0, 1.0, 0.0, 0.0, 0.0]
-    assert answer_tag_format(completions=["think <answer>7</answer>", "<answer>7</answer> extra", "7"]) == [1.0, 0.0, 0.0]
+    assert (answer_tag_format(completions=["think <answer>7</answer>", "<answer>7</answer> extra", "7"])
+            == [1.0, 0.0, 0.0])
 
 
 def test_registry_by_name_and_unknown_names():

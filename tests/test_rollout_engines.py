@@ -125,7 +125,7 @@ class StubVLLMServer:
                 temperature=temperature, top_p=body["top_p"], top_k=body["top_k"] or None, pad_token_id=self.pad,
                 eos_token_id=self.eos, output_logits=True, return_dict_in_generate=True)
         seqs = out.sequences[:, width:]
-        logps = torch.stack([torch.log_softmax(l.float() / temperature, -1) for l in out.logits], 1)
+        logps = torch.stack([torch.log_softmax(step_logits.float() / temperature, -1) for step_logits in out.logits], 1)
         token_logps = logps.gather(-1, seqs[..., None]).squeeze(-1)
         choices = []
         for prompt, row, lp in zip(rows, seqs.tolist(), token_logps.tolist()):

@@ -16,7 +16,6 @@ import torch
 
 from grpo.training import model_support
 from grpo.training.shared_prompt import shared_prompt_prefill
-
 from tests.test_loss_extensions import LOSS_TYPES, configure, gradients, make_trainer, relative_difference
 
 REL = 1e-5
@@ -139,8 +138,8 @@ def test_gradient_checkpointing_runs_the_full_forward_and_says_so_once(shared, c
     finally:
         trainer.model.gradient_checkpointing_disable()
     said = [r.getMessage() for r in caplog.records if "shared_prompt_forward" in r.getMessage()]
-    assert said == ["async.shared_prompt_forward: TRL's forward runs for Qwen2ForCausalLM (gradient checkpointing keeps "
-                    "no cache while training)"]
+    assert said == ["async.shared_prompt_forward: TRL's forward runs for Qwen2ForCausalLM (gradient checkpointing "
+                    "keeps no cache while training)"]
     assert torch.equal(ours, full)
 
 

@@ -90,7 +90,8 @@ def test_served_runs_are_confined_to_the_allowed_roots(prefect_server, tmp_path)
 
         def start(*overrides: str) -> str:
             cfg = load_config(MICRO, [*base, *overrides]).model_dump(mode="json", by_alias=True)
-            created = s.post(f"deployments/{deployment['id']}/create_flow_run", {"parameters": {"config": cfg, "preset": None}})
+            created = s.post(f"deployments/{deployment['id']}/create_flow_run",
+                             {"parameters": {"config": cfg, "preset": None}})
             assert created.status_code == 201, created.text  # (a busy server's 503s are retried by s.post)
             return created.json()["id"]
 

@@ -17,6 +17,7 @@ from grpo.config import load_config
 from grpo.pipeline.sweep_space import SpaceError, check_path, load_space, validate_space
 from tests.conftest import MICRO, micro_overrides
 
+
 @pytest.fixture(scope="module")
 def base():
     return load_config(MICRO)
@@ -341,9 +342,9 @@ def test_the_shipped_example_spaces_validate():
 def test_cli_sweep_prints_the_parent_run_and_the_dashboard(tmp_path, prefect_server, mlflow_server):
     """#15: the console named neither the parent MLflow run (what `grpo dashboard --sweep` needs) nor the dashboard."""
     (tmp_path / "space.yaml").write_text("grid:\n  grpo.learning_rate: [1.0e-4, 3.0e-4]\n")
-    sets = [f"output_dir={tmp_path / 'runs'}", "tracking.backend=mlflow", "grpo.max_steps=2", "grpo.save_steps=100", "evaluation.enabled=false",
-            f"tracking.tracking_uri={mlflow_server.uri}", "tracking.experiment_name=cli-sweep",
-            "tracking.log_system_metrics=false"]
+    sets = [f"output_dir={tmp_path / 'runs'}", "tracking.backend=mlflow", "grpo.max_steps=2", "grpo.save_steps=100",
+            "evaluation.enabled=false", f"tracking.tracking_uri={mlflow_server.uri}",
+            "tracking.experiment_name=cli-sweep", "tracking.log_system_metrics=false"]
     # --direction minimize on a metric that differs between trials (their wall time): the best is the smallest
     result = subprocess.run([sys.executable, "-m", "grpo.app.cli", "sweep", "--config", str(MICRO), "--space",
                              str(tmp_path / "space.yaml"), "--name", "lr", "--metric", "wall_seconds",
@@ -357,7 +358,8 @@ def test_cli_sweep_prints_the_parent_run_and_the_dashboard(tmp_path, prefect_ser
     for bar in ("Loading weights", "Writing model shards", "Downloading artifacts", "Uploading artifacts", "it/s]"):
         assert bar not in out + result.stderr, bar  # library progress bars (grpo.console)
     assert f"mlflow parent run: {parent} (compare again: grpo dashboard --experiment cli-sweep --sweep {parent}" in out
-    assert f"dashboard: {tmp_path / 'runs' / 'lr' / 'dashboard.html'} (comparison, logged to MLflow as dashboard/" in out
+    assert (f"dashboard: {tmp_path / 'runs' / 'lr' / 'dashboard.html'} (comparison, logged to MLflow as dashboard/"
+            in out)
 
     # the best trial (tagged on the parent, registered with alias "best") has the smallest wall_seconds of the
     # completed trials, read from each trial's own summary.json

@@ -68,8 +68,8 @@ def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path
                                              "grpo.reward_funcs": "[exact_match_recorded]",
                                              "tracking.backend": "mlflow", "tracking.tracking_uri": mlflow_server.uri,
                                              "tracking.experiment_name": "killed-resume"})
-    cmd = [sys.executable, "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "killed", "--reward-module",
-           str(recorder)]
+    cmd = [sys.executable, "-m", "grpo.app.cli", "run", "--config", str(MICRO), "--run-name", "killed",
+           "--reward-module", str(recorder)]
     for item in overrides:
         cmd += ["--set", item]
     run = RunDir(tmp_path / "killed")

@@ -99,7 +99,8 @@ def test_second_grpo_ui_says_the_ports_are_taken_and_sigterm_stops_both_servers(
         assert second.stdout == ""
         [message] = second.stderr.strip().splitlines()
         assert message.startswith("error: ports ") and "already in use" in message, message
-        assert f"{prefect_port} (Prefect, --prefect-port)" in message and f"{mlflow_port} (MLflow, --mlflow-port)" in message
+        assert (f"{prefect_port} (Prefect, --prefect-port)" in message
+                and f"{mlflow_port} (MLflow, --mlflow-port)" in message)
         assert "--port " not in message  # not Prefect's own advice: grpo ui has no --port
 
         first.send_signal(signal.SIGTERM)

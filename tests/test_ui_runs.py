@@ -25,8 +25,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import (SCREENSHOTS, SECTION_TITLES, form_property, open_section, open_select, require_chromium,
-                           submit)
+from tests.browser import (
+    SCREENSHOTS,
+    SECTION_TITLES,
+    form_property,
+    open_section,
+    open_select,
+    require_chromium,
+    submit,
+)
 from tests.servers import BIN
 
 pytestmark = pytest.mark.integration

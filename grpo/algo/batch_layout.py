@@ -1,13 +1,14 @@
 """The batch layout: how one generation round's completions are laid out over ranks, micro-steps and prompts.
 
-Derived once, here, the way ``trl.GRPOConfig`` derives it, and read by everything that needs the numbers: the
-config's validation and ``ExperimentConfig.generation_batch_size``, the sampler plan (a
-:class:`grpo.algo.plan.PlanSpec` holds one), the trainer's sampler (:attr:`grpo.training.trainer.GRPOTrainer.batch_layout`)
-and the plan's cache key (:func:`grpo.pipeline.cache_dirs.plan_dir_for`). It takes plain numbers: the config builds
-its layout (:attr:`grpo.config.ExperimentConfig.batch_layout`), the trainer from TRL's resolved arguments.
+Derived once, here, the way ``trl.GRPOConfig`` derives it, and read by everything that needs the numbers: the config's
+validation and ``ExperimentConfig.generation_batch_size``, the sampler plan (a :class:`grpo.algo.plan.PlanSpec` holds
+one), the trainer's sampler (:attr:`grpo.training.trainer.GRPOTrainer.batch_layout`) and the plan's cache key
+(:func:`grpo.pipeline.cache_dirs.plan_dir_for`). It takes plain numbers: the config builds its layout
+(:attr:`grpo.config.ExperimentConfig.batch_layout`), the trainer from TRL's resolved arguments.
 
-* ``steps_per_generation`` is ``grpo.steps_per_generation``, else ``generation_batch_size // (per_device_train_batch_size
-  * world_size)`` when that is set, else ``gradient_accumulation_steps`` (TRL's default);
+* ``steps_per_generation`` is ``grpo.steps_per_generation``, else
+  ``generation_batch_size // (per_device_train_batch_size * world_size)`` when that is set, else
+  ``gradient_accumulation_steps`` (TRL's default);
 * one round gives every rank ``per_device_train_batch_size * steps_per_generation`` completions, i.e.
   ``prompts_per_rank`` prompts x ``num_generations``; the ranks of one sequence-parallel group share its prompts, so a
   round holds ``prompts_per_rank * num_sp_groups`` prompts and serves ``steps_per_generation * num_iterations``

@@ -78,8 +78,8 @@ def check_server(timeout: float = 5.0) -> str:
 def check_cron(cron: str, timezone: str | None = None) -> None:
     """Validate ``--schedule`` / ``--timezone`` as Prefect's ``CronSchedule`` (croniter) does; :class:`ServeError`
     naming the option and its value otherwise. Needs no server: ``grpo serve`` calls it before connecting."""
-    from pydantic import ValidationError
     from prefect.client.schemas.schedules import CronSchedule
+    from pydantic import ValidationError
 
     try:
         CronSchedule(cron=cron, timezone=timezone or "UTC")
@@ -154,7 +154,8 @@ def build_deployments(
         from flows.sweep import grpo_sweep
 
         deployments.append(grpo_sweep.to_deployment(
-            name=name, parameters={**starting_point(config_path), **SWEEP_PARAMETERS}, tags=["grpo", "served", "sweep"], **module,
+            name=name, parameters={**starting_point(config_path), **SWEEP_PARAMETERS}, tags=["grpo", "served", "sweep"],
+            **module,
             description="GRPO sweep served by `grpo serve`: one pipeline run per trial of `space`.",
             **schedule_for("sweep")))
     return deployments

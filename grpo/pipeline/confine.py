@@ -26,7 +26,8 @@ def _real(path: str | Path) -> Path:
 
 
 def serve_roots(project_dir: Path, allow: list[Path] | None = None) -> list[Path]:
-    """The roots ``grpo serve`` confines its flow runs to: ``project_dir``, ``--allow-path``s, ``$GRPO_SERVE_ALLOW_PATHS``."""
+    """The roots ``grpo serve`` confines its flow runs to: ``project_dir``, ``--allow-path``s,
+    ``$GRPO_SERVE_ALLOW_PATHS``."""
     extra = [p for p in os.environ.get(OPERATOR_ENV, "").split(os.pathsep) if p]
     roots: list[Path] = []
     for p in [project_dir, *(allow or []), *extra]:

@@ -81,7 +81,8 @@ def load_space(path: str | Path) -> dict:
     if file.is_file():
         text, source, is_json = file.read_text(), str(file), file.suffix == ".json"
     elif str(path) in presets("spaces"):
-        text, source, is_json = preset_file(str(path), "spaces").read_text(encoding="utf-8"), f"space preset {path}", False
+        text, source, is_json = (preset_file(str(path), "spaces").read_text(encoding="utf-8"), f"space preset {path}",
+                                 False)
     else:
         hint = f"; or a space preset: {', '.join(presets('spaces'))}" if "/" not in str(path) else ""
         raise SpaceError(f"space file not found: {file}{hint}")

@@ -13,7 +13,6 @@ generation: ``grpo.use_vllm`` with ``grpo.vllm_mode: server`` selects
 from __future__ import annotations
 
 import contextlib
-
 import io
 import multiprocessing as mp
 import os
@@ -161,7 +160,8 @@ def sample_round(model, prompt_ids: list[list[int]], gen: dict) -> tuple[list[li
             use_cache=applies(GENERATION_KV_CACHE, model),
         )
     seqs = out.sequences[:, width:]
-    logps = torch.stack([torch.log_softmax(l.float() / gen["temperature"], -1) for l in out.logits], 1)
+    logps = torch.stack(
+        [torch.log_softmax(step_logits.float() / gen["temperature"], -1) for step_logits in out.logits], 1)
     token_logps = logps.gather(-1, seqs[..., None]).squeeze(-1)
     completions, completion_logps = [], []
     for row, lp in zip(seqs.tolist(), token_logps.tolist()):
@@ -339,7 +339,8 @@ class AsyncRolloutProducer:
             left = deadline - time.monotonic()
             if left <= 0 or not self._proc.is_alive():
                 raise RuntimeError(
-                    f"generator process {'died' if not self._proc.is_alive() else 'timed out'} waiting for round {shown}"
+                    f"generator process {'died' if not self._proc.is_alive() else 'timed out'} "
+                    f"waiting for round {shown}"
                 )
             if self._conn.poll(min(left, 1.0)):
                 try:

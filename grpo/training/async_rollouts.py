@@ -134,10 +134,9 @@ class AsyncRollouts:
             self._start_vllm_engine()
             return
         import torch
+        from safetensors.torch import save_file
 
         from grpo.training.async_producer import AsyncRolloutProducer, producer_threads, trainer_threads
-
-        from safetensors.torch import save_file
 
         # Each rank writes its own copy: under torch.distributed, save_pretrained writes on rank 0 only, so another
         # rank's generator would find an empty (or half-written) directory.
@@ -161,8 +160,8 @@ class AsyncRollouts:
         save_file(state, str(init_dir / "model.safetensors"), metadata={"format": "pt"})
         gc = self.generation_config
         gen = {"max_new_tokens": self.max_completion_length, "temperature": gc.temperature, "top_p": gc.top_p,
-               "top_k": gc.top_k, "pad_token_id": self._tokenizer.pad_token_id, "eos_token_ids": list(self.eos_token_ids),
-               "shared_prompt": self.experiment.async_.shared_prompt_forward}
+               "top_k": gc.top_k, "pad_token_id": self._tokenizer.pad_token_id,
+               "eos_token_ids": list(self.eos_token_ids), "shared_prompt": self.experiment.async_.shared_prompt_forward}
         # The generator gets async.generator_threads cores, the trainer the rest (see trainer_threads: sharing a core
         # stalls the trainer's whole intra-op pool); restored when the producer closes.
         threads = self.experiment.async_.generator_threads or producer_threads()

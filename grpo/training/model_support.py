@@ -3,12 +3,13 @@
 The speed features are exact by construction, but each rests on something the model must offer:
 
 - ``async.shared_prompt_forward`` (the training log-prob forward and generation's prefill) runs each distinct prompt
-  once and hands its key/value cache to the rows that share it (``batch_select_indices`` on every cache layer). A
-  cache layer with a recurrent state (Mamba / SSM, linear attention: transformers' ``LinearAttentionLayer`` family,
-  in Nemotron-H, Falcon-H1, Qwen3-Next, LFM2) has no such operation for that state (a hybrid layer's selects its
-  keys/values only), and a cache the model cannot build from its config is unknown ground: TRL's forward runs. MoE routers are reproduced (the prompt's router logits are indexed out
-  to its rows like its keys/values, so TRL's load-balancing aux loss sees every row's tokens), and sliding-window
-  layers keep their own window over the cached prompt (transformers' chunked-prefill masking), so both stay exact.
+  once and hands its key/value cache to the rows that share it (``batch_select_indices`` on every cache layer). A cache
+  layer with a recurrent state (Mamba / SSM, linear attention: transformers' ``LinearAttentionLayer`` family, in
+  Nemotron-H, Falcon-H1, Qwen3-Next, LFM2) has no such operation for that state (a hybrid layer's selects its
+  keys/values only), and a cache the model cannot build from its config is unknown ground: TRL's forward runs. MoE
+  routers are reproduced (the prompt's router logits are indexed out to its rows like its keys/values, so TRL's
+  load-balancing aux loss sees every row's tokens), and sliding-window layers keep their own window over the cached
+  prompt (transformers' chunked-prefill masking), so both stay exact.
 - ``async.compact_zero_advantage`` drops zero-advantage rows from the loss forward. A MoE router's load-balancing aux
   loss (TRL adds it when the config has ``output_router_logits`` and a non-zero ``router_aux_loss_coef``) is a mean
   over every token of the micro-batch, so dropping rows changes it: the whole micro-batch runs.

@@ -229,7 +229,7 @@ class VLLMServerEngine:
         # logprobs=0: one entry per token, the sampled token's (after temperature: the server runs with
         # --logprobs-mode processed_logprobs); a NaN the server could not compute arrives as None.
         logps = [[math.nan if lp[0] is None else float(lp[0]) for lp in seq] for seq in out["logprobs"]]
-        if len(completions) != len(prompt_ids) or any(len(c) != len(l) for c, l in zip(completions, logps)):
+        if len(completions) != len(prompt_ids) or any(len(c) != len(lp) for c, lp in zip(completions, logps)):
             raise RuntimeError(f"vLLM server returned {len(completions)} completions for {len(prompt_ids)} rows")
         return Rollout(round_id, version, [list(p) for p in prompt_ids], completions, logps,
                        time.perf_counter() - start)

@@ -20,7 +20,8 @@ class SeqlenBalancing:
 
     @property
     def _balancing(self) -> bool:
-        return bool(self.experiment and self.experiment.sampling.seqlen_balancing and self.accelerator.num_processes > 1)
+        return bool(self.experiment and self.experiment.sampling.seqlen_balancing
+                    and self.accelerator.num_processes > 1)
 
     # Loss types whose micro-batch loss is a mean over its sequences (TRL divides by the row count).
     _PER_SEQUENCE_MEAN = ("grpo", "sapo", "dr_grpo", "luspo")

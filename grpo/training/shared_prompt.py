@@ -196,7 +196,8 @@ class SharedPromptForward:
             return "off"
         if not applies(SHARED_PROMPT_FORWARD, model):
             return "model"
-        if any(v is not None for k, v in kwargs.items() if k not in ("batch_size", "compute_entropy", "compute_aux_loss")):
+        if any(v is not None for k, v in kwargs.items()
+               if k not in ("batch_size", "compute_entropy", "compute_aux_loss")):
             return "the model takes image or token-type inputs"
         if getattr(backbone(model), "gradient_checkpointing", False) and torch.is_grad_enabled():
             return "gradient checkpointing keeps no cache while training"

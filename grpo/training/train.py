@@ -1,4 +1,5 @@
-"""The training stage: map the experiment config onto ``trl.GRPOConfig`` and run :class:`grpo.training.trainer.GRPOTrainer`."""
+"""The training stage: map the experiment config onto ``trl.GRPOConfig`` and run
+:class:`grpo.training.trainer.GRPOTrainer`."""
 
 from __future__ import annotations
 
@@ -160,9 +161,9 @@ def train_grpo(
 
 
 def _train(cfg, policy, train_dataset, run, resume, plan_path, callbacks, echo) -> TrainResult:
-    from grpo.training.trainer import GRPOTrainer
-
     import torch
+
+    from grpo.training.trainer import GRPOTrainer
 
     use_cpu = not torch.cuda.is_available()
     args = grpo_args(cfg, run.checkpoints, use_cpu=use_cpu)
@@ -210,4 +211,5 @@ def _train(cfg, policy, train_dataset, run, resume, plan_path, callbacks, echo) 
             names.update(row["metrics"])
             if "reward" in row["metrics"]:
                 curve.append((row["step"], row["metrics"]["reward"]))
-    return TrainResult(trainer.state.global_step, seconds, str(checkpoint) if checkpoint else None, sorted(names), curve)
+    return TrainResult(trainer.state.global_step, seconds, str(checkpoint) if checkpoint else None, sorted(names),
+                       curve)

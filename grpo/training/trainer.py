@@ -35,7 +35,12 @@ from typing import Any
 import torch
 import trl
 from torch.utils.data import Sampler
-from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
+from trl.trainer.utils import (
+    shuffle_sequence_dict,
+    split_pixel_values_by_grid,
+    split_tensor_dict,
+    unsplit_pixel_values_by_grid,
+)
 
 from grpo.algo.batch_layout import BatchLayout
 from grpo.algo.plan import PlanSampler
@@ -61,13 +66,15 @@ TRL_HOOKS: dict[str, str] = {
                 "environment (rollout_func for protocol text, TRL's environment_factory/tools for chat)",
     "_get_train_sampler": "the sampler plan (plan.parquet) or the sequence-parallel repeat sampler",
     "get_train_dataloader": "keeps accelerate from sharding the rank-aware sampler's batches a second time",
-    "_prepare_inputs": "TRL's schedule split in two: assemble a generation batch (re-rolls, replay, off-policy), then split it (balancing)",
+    "_prepare_inputs": "TRL's schedule split in two: assemble a generation batch (re-rolls, replay, off-policy), then "
+                       "split it (balancing)",
     "_generate_single_turn": "async rollouts: completions produced ahead by the producer thread; in-process generate "
                             "prefills each distinct prompt once (async.shared_prompt_forward)",
     "_generate": "starts streaming reward scoring while the log-prob passes run",
     "_calculate_rewards": "the persistent reward pool / streamed rewards instead of in-process calls; NaN rewards "
                           "for episodes whose environment failed",
-    "_compute_loss": "zero-advantage skip, balanced micro-batch weights and chunked backward; IS weights from the training forward",
+    "_compute_loss": "zero-advantage skip, balanced micro-batch weights and chunked backward; IS weights from the "
+                     "training forward",
     "_get_per_token_logps_and_entropies": "hands the training forward's log-probs to the deferred IS correction; runs "
                                           "each group's prompt once (async.shared_prompt_forward)",
     "get_high_entropy_mask": "the entropy quantile over chunks, equal to the unchunked mask",
@@ -75,8 +82,8 @@ TRL_HOOKS: dict[str, str] = {
 
 
 
-class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndReroll, SeqlenBalancing, ZeroAdvantageSkip,
-                  ChunkedLoss, OffPolicyCorrection, SharedPromptForward, trl.GRPOTrainer):
+class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndReroll, SeqlenBalancing,
+                  ZeroAdvantageSkip, ChunkedLoss, OffPolicyCorrection, SharedPromptForward, trl.GRPOTrainer):
     # AsyncRollouts before EnvironmentRollouts: its _episodes_for takes a round's episodes from the rollout engine;
     # OffPolicyCorrection after the others: every loss call passes through it; SharedPromptForward next to TRL: it
     # changes only how TRL's log-prob forward runs the model
@@ -87,8 +94,8 @@ class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndRe
     ) -> None:
         if trl.__version__ != TESTED_TRL_VERSION:
             raise RuntimeError(
-                f"grpo.training.trainer overrides TRL internals tested with trl=={TESTED_TRL_VERSION}, found {trl.__version__}; "
-                f"install the pinned version (pip install -e .)"
+                f"grpo.training.trainer overrides TRL internals tested with trl=={TESTED_TRL_VERSION}, "
+                f"found {trl.__version__}; install the pinned version (pip install -e .)"
             )
         self._check_streaming_rewards(experiment, kwargs.get("reward_funcs"))
         self.experiment = experiment

@@ -131,9 +131,10 @@ class ZeroAdvantageSkip:
         over every row, and the adaptive controller's entropy window), the high-entropy token mask
         (``top_entropy_quantile < 1``: one quantile over every row of every rank), what the model adds over every
         token (a MoE router's auxiliary loss: :func:`grpo.training.model_support.unsupported`), and images (split by
-        grid, not by row). A loss type outside TRL 1.16's eight has no known normaliser. Everything else TRL's loss reads is per row and exact: the importance-sampling ratio (token
-        or sequence level, ``delta``), the off-policy sequence mask (OPSM), vLLM's importance-sampling correction,
-        VESPO's gamma weights, the platform's off-policy weights.
+        grid, not by row). A loss type outside TRL 1.16's eight has no known normaliser. Everything else TRL's loss
+        reads is per row and exact: the importance-sampling ratio (token or sequence level, ``delta``), the off-policy
+        sequence mask (OPSM), vLLM's importance-sampling correction, VESPO's gamma weights, the platform's off-policy
+        weights.
         """
         if self.beta != 0.0:
             return "grpo.beta > 0 (the KL term has a gradient on every completion)"
