@@ -5,12 +5,14 @@
 - ``grpo.algo`` holds the algorithms on numpy/torch only: no TRL, transformers, accelerate, peft, datasets, MLflow
   or Prefect, and no other ``grpo`` layer than itself, ``grpo.config`` and ``grpo.errors``.
 - ``grpo.rewards`` (registry, worker pool, streaming) imports no training stack and no ``grpo`` layer above it.
-- ``grpo.training`` (the TRL extension, policy, evaluation) never imports the pipeline, the app, MLflow or Prefect;
-  ``grpo.pipeline`` (recipe, stages, data, tracking) never imports the app or Prefect.
+- ``grpo.training`` (the TRL extension, policy, evaluation) never imports the pipeline, tracking, the app, MLflow or
+  Prefect; ``grpo.pipeline`` (recipe, stages, data, run context) never imports the app or Prefect.
+- ``grpo.tracking`` (the MLflow tracker, its spool, what a run records, metric names) sits below the pipeline: the
+  pipeline, the flows and the app import it, it never imports them (nor the dashboards or Prefect).
 - TRL, accelerate and peft are imported only by the training layer, and by ``grpo.config`` (it checks fields
   against TRL's ``GRPOConfig``) and ``grpo.distributed`` (accelerate's process state); transformers besides only by
-  the trainer-callback adapters (``grpo.pipeline.tracking``, ``flows.stages``) and ``grpo.console`` (log levels).
-- MLflow is imported only where runs are tracked (``grpo.pipeline.tracking``, ``grpo.pipeline.run_tracking``), by the app, the flows
+  the trainer-callback adapters (``grpo.tracking.tracker``, ``flows.stages``) and ``grpo.console`` (log levels).
+- MLflow is imported only where runs are tracked (``grpo.tracking.tracker``, ``grpo.tracking.run_tracking``), by the app, the flows
   (a sweep's parent run) and the dashboards; ``dashboards/`` never import Prefect.
 - The TRL methods the trainer overrides are listed in one place (``grpo.training.trainer.TRL_HOOKS``), checked against the
   class and the pinned TRL.
@@ -99,7 +101,7 @@ def test_rewards_import_no_training_stack_and_no_higher_layer():
 
 def test_training_never_imports_the_pipeline_or_the_app():
     def allowed(mod: str, imp: str) -> bool:
-        return not (under(imp, "grpo.pipeline") or under(imp, "grpo.app")
+        return not (under(imp, "grpo.pipeline") or under(imp, "grpo.tracking") or under(imp, "grpo.app")
                     or top(imp) in {"mlflow", "prefect", "flows", "dashboards"})
 
     mods = modules("grpo/training")
@@ -116,8 +118,20 @@ def test_pipeline_never_imports_the_app_or_prefect():
     assert violations(mods, allowed) == []
 
 
+def test_tracking_never_imports_the_pipeline_the_app_or_the_flows():
+    """The direction is pipeline -> tracking: the recipe and the flows start trackers and log through them."""
+    def allowed(mod: str, imp: str) -> bool:
+        return not (under(imp, "grpo.pipeline") or under(imp, "grpo.app")
+                    or top(imp) in {"prefect", "flows", "dashboards"})
+
+    mods = modules("grpo/tracking")
+    assert {"grpo.tracking.tracker", "grpo.tracking.spool", "grpo.tracking.run_tracking",
+            "grpo.tracking.metric_keys"} <= set(mods)
+    assert violations(mods, allowed) == []
+
+
 def test_the_training_stack_stays_in_the_training_layer():
-    callbacks = {"grpo.pipeline.tracking", "flows.stages", "grpo.console"}
+    callbacks = {"grpo.tracking.tracker", "flows.stages", "grpo.console"}
 
     def allowed(mod: str, imp: str) -> bool:
         if under(mod, "grpo.training") or top(imp) not in {"trl", "transformers", "accelerate", "peft"}:
@@ -130,7 +144,7 @@ def test_the_training_stack_stays_in_the_training_layer():
 
 
 def test_mlflow_only_where_runs_are_tracked():
-    tracking = {"grpo.pipeline.tracking", "grpo.pipeline.run_tracking"}
+    tracking = {"grpo.tracking.tracker", "grpo.tracking.run_tracking"}
 
     def allowed(mod: str, imp: str) -> bool:
         return top(imp) != "mlflow" or mod in tracking or any(under(mod, p) for p in ("grpo.app", "flows", "dashboards"))

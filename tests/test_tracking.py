@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 from transformers import TrainerControl, TrainerState
 
 from grpo.config import flatten, load_config
-from grpo.pipeline.tracking import (
+from grpo.tracking.tracker import (
     MAX_PARAM_VAL_LENGTH,
     MlflowCallback,
     MlflowTracker,
@@ -291,7 +291,7 @@ def test_embedded_sqlite_default(make_tracker, tmp_path, monkeypatch):
 
 def test_batches_respect_mlflow_limit_and_line_boundaries():
     lines = [(10, ["a"] * 600), (20, ["b"] * 300), (30, ["c"] * 2500), (40, []), (50, ["d"] * 5)]
-    from grpo.pipeline.spool import Spool
+    from grpo.tracking.spool import Spool
 
     out = list(Spool.batches(lines, 1000))
     assert all(len(batch) <= 1000 for _, batch in out)
@@ -300,7 +300,7 @@ def test_batches_respect_mlflow_limit_and_line_boundaries():
 
 
 def test_keys_and_param_values():
-    from grpo.pipeline.tracking import sanitize_metric_key
+    from grpo.tracking.tracker import sanitize_metric_key
 
     assert sanitize_metric_key("eval/pass@8") == "eval/pass_at_8"
     assert sanitize_metric_key("/rewards//exact match (mean)/") == "rewards/exact match _mean_"

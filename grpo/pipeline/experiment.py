@@ -11,7 +11,7 @@ from typing import Any
 from grpo.config import ExperimentConfig
 from grpo.pipeline import stages
 from grpo.pipeline.recipe import run_recipe
-from grpo.pipeline.tracking import MlflowCallback, MlflowTracker
+from grpo.tracking.tracker import MlflowCallback, MlflowTracker
 from grpo.runs import RunDir
 
 __all__ = ["LocalStages", "run_experiment"]

@@ -20,7 +20,7 @@ from grpo import distributed
 from grpo.config import ExperimentConfig
 from grpo.console import quiet_library_noise
 from grpo.errors import DataError
-from grpo.pipeline.run_tracking import (
+from grpo.tracking.run_tracking import (
     end_status,
     eval_metrics,
     log_numbers,
@@ -30,7 +30,7 @@ from grpo.pipeline.run_tracking import (
     start_run_tracking,
 )
 from grpo.pipeline.stages import plan_summary, prep_summary
-from grpo.pipeline.tracking import MlflowTracker
+from grpo.tracking.tracker import MlflowTracker
 from grpo.runs import RunDir
 
 Log = Callable[[str], None]

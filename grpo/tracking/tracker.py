@@ -1,7 +1,7 @@
 """Experiment tracking with MLflow: one run per pipeline run, metrics buffered on disk and sent in the background.
 
 This module holds the MLflow semantics (runs, params, dedup on resume, key rules, model logging); the generic
-disk spool and its sender thread are :mod:`grpo.pipeline.spool`. How a metric travels (``MlflowTracker.log_metrics``):
+disk spool and its sender thread are :mod:`grpo.tracking.spool`. How a metric travels (``MlflowTracker.log_metrics``):
 
 1. The caller's thread appends one JSON line ``{"s": step, "t": timestamp_ms, "m": {key: value}}`` to
    ``<spool_dir>/metrics.jsonl`` and returns (microseconds; no network, never raises into training).
@@ -43,8 +43,8 @@ from typing import Any
 from transformers import TrainerCallback
 
 from grpo.errors import GRPOPlatformError
-from grpo.pipeline.metric_keys import TRAIN_PREFIX
-from grpo.pipeline.spool import Spool, read_state
+from grpo.tracking.metric_keys import TRAIN_PREFIX
+from grpo.tracking.spool import Spool, read_state
 
 _log = logging.getLogger(__name__)
 

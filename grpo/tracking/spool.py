@@ -1,6 +1,6 @@
 """A disk spool with a background sender: append JSON lines now, deliver them later, exactly once, in order.
 
-Generic (no MLflow in here; :class:`grpo.pipeline.tracking.MlflowTracker` is its user). Why hand-written: MLflow's
+Generic (no MLflow in here; :class:`grpo.tracking.tracker.MlflowTracker` is its user). Why hand-written: MLflow's
 own async logging keeps the queue in memory and retries for minutes inside the training process; this keeps every
 point on disk until the backend acknowledged it, so an outage or a crash loses nothing and blocks nothing.
 
