@@ -98,7 +98,8 @@ def _tracking_overhead(root: Path, opts: Settings) -> dict:
     from grpo.training.policy import Policy, load_policy, tiny_cache_key
     from grpo.tracking.run_tracking import start_run_tracking
     from grpo.runs import open_run_dir
-    from grpo.tracking.tracker import MlflowCallback, MlflowTracker, sanitize_metric_key
+    from grpo.tracking.tracker import MlflowCallback, MlflowTracker
+    from grpo.tracking.values import sanitize_metric_key
     from grpo.training.train import train_grpo
 
     out = root / "train-runs"

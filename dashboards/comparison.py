@@ -36,7 +36,7 @@ from typing import Any
 from grpo.errors import GRPOPlatformError
 from grpo.formatting import human_number
 from grpo.tracking.metric_keys import TRAIN_PREFIX, eval_before_after, is_eval_curve
-from grpo.tracking.tracker import mlflow_ui_url
+from grpo.tracking.store import mlflow_ui_url
 
 ARTIFACT_PATH = "dashboard"
 _MAX_RUNS = 500  # more runs than this make an unreadable page; the newest are shown

@@ -30,7 +30,8 @@ from grpo.console import quiet_library_noise
 from grpo.errors import GRPOPlatformError
 from grpo.pipeline.confine import check_config_paths
 from grpo.pipeline.recipe import run_recipe
-from grpo.tracking.tracker import MlflowCallback, MlflowTracker, mlflow_ui_url
+from grpo.tracking.store import mlflow_ui_url
+from grpo.tracking.tracker import MlflowCallback, MlflowTracker
 from grpo.runs import RunDir, open_run_dir
 
 FLOW_RUNS_STARTED: list[str] = []  # this process's pipeline flow runs: the CLI cancels them on Ctrl-C / SIGTERM

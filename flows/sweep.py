@@ -79,7 +79,8 @@ from grpo.tracking.metric_keys import read_run_metric
 from grpo.tracking.run_tracking import end_status
 from grpo.pipeline.stages import add_run_callback, remove_run_callbacks
 from grpo.pipeline.sweep_space import Space, validate_space
-from grpo.tracking.tracker import SPOOL_DIRNAME, MlflowTracker, tracker_from_config, use_tracking_uri
+from grpo.tracking.model_logging import use_tracking_uri
+from grpo.tracking.tracker import SPOOL_DIRNAME, MlflowTracker, tracker_from_config
 from grpo.runs import validate_run_name
 from grpo.training.graceful_stop import clear_stop_request, request_stop
 

@@ -11,9 +11,10 @@
   pipeline, the flows and the app import it, it never imports them (nor the dashboards or Prefect).
 - TRL, accelerate and peft are imported only by the training layer, and by ``grpo.config`` (it checks fields
   against TRL's ``GRPOConfig``) and ``grpo.distributed`` (accelerate's process state); transformers besides only by
-  the trainer-callback adapters (``grpo.tracking.tracker``, ``flows.stages``) and ``grpo.console`` (log levels).
-- MLflow is imported only where runs are tracked (``grpo.tracking.tracker``, ``grpo.tracking.run_tracking``), by the app, the flows
-  (a sweep's parent run) and the dashboards; ``dashboards/`` never import Prefect.
+  the trainer-callback adapters (``grpo.tracking.tracker``, ``flows.stages``), the model logging
+  (``grpo.tracking.model_logging``: MLflow's transformers flavour) and ``grpo.console`` (log levels).
+- MLflow is imported only where runs are tracked (``grpo.tracking``, but for its generic spool and its metric names),
+  by the app, the flows (a sweep's parent run) and the dashboards; ``dashboards/`` never import Prefect.
 - The TRL methods the trainer overrides are listed in one place (``grpo.training.trainer.TRL_HOOKS``), checked against the
   class and the pinned TRL.
 """
@@ -131,7 +132,7 @@ def test_tracking_never_imports_the_pipeline_the_app_or_the_flows():
 
 
 def test_the_training_stack_stays_in_the_training_layer():
-    callbacks = {"grpo.tracking.tracker", "flows.stages", "grpo.console"}
+    callbacks = {"grpo.tracking.tracker", "grpo.tracking.model_logging", "flows.stages", "grpo.console"}
 
     def allowed(mod: str, imp: str) -> bool:
         if under(mod, "grpo.training") or top(imp) not in {"trl", "transformers", "accelerate", "peft"}:
@@ -144,7 +145,9 @@ def test_the_training_stack_stays_in_the_training_layer():
 
 
 def test_mlflow_only_where_runs_are_tracked():
-    tracking = {"grpo.tracking.tracker", "grpo.tracking.run_tracking"}
+    tracking = set(modules("grpo/tracking")) - {"grpo.tracking.spool", "grpo.tracking.metric_keys"}
+    assert {"grpo.tracking.tracker", "grpo.tracking.run_lifecycle", "grpo.tracking.batched_logging",
+            "grpo.tracking.sync_logging", "grpo.tracking.model_logging", "grpo.tracking.run_tracking"} <= tracking
 
     def allowed(mod: str, imp: str) -> bool:
         return top(imp) != "mlflow" or mod in tracking or any(under(mod, p) for p in ("grpo.app", "flows", "dashboards"))

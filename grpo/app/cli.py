@@ -202,7 +202,7 @@ def _mlflow_link(cfg, run_id: str | None) -> str | None:
         return None
     from mlflow import MlflowClient
 
-    from grpo.tracking.tracker import mlflow_ui_url, resolve_tracking_uri
+    from grpo.tracking.store import mlflow_ui_url, resolve_tracking_uri
 
     uri = resolve_tracking_uri(cfg.tracking.tracking_uri, Path.cwd())
     try:
@@ -354,7 +354,7 @@ def dashboard(
 ) -> None:
     """Write an HTML dashboard comparing the runs of an MLflow experiment or sweep (rewards, eval, final metrics)."""
     from grpo.console import quiet_library_noise
-    from grpo.tracking.tracker import resolve_tracking_uri
+    from grpo.tracking.store import resolve_tracking_uri
 
     quiet_library_noise()  # no "Downloading artifacts" bar for a sweep's importances
     uri = resolve_tracking_uri(tracking_uri, Path.cwd())

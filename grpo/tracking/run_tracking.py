@@ -20,7 +20,9 @@ import yaml
 
 from grpo.formatting import human_number
 from grpo.tracking.metric_keys import EVAL_ACCURACY, EVAL_PREFIX
-from grpo.tracking.tracker import MlflowTracker, log_model, redact, tracker_from_config
+from grpo.tracking.model_logging import log_model
+from grpo.tracking.tracker import MlflowTracker, tracker_from_config
+from grpo.tracking.values import redact
 
 
 # The packages a result depends on, recorded as ``grpo.version.<name>`` run tags (absent ones are left out).
@@ -65,7 +67,7 @@ def end_status(finished: bool, error: BaseException | None, was_finished: bool) 
 
 def log_numbers(tracker: MlflowTracker | None, metrics: Mapping[str, Any], step: int = 0) -> None:
     if tracker is not None:
-        tracker.log_metrics(metrics, step=step)  # the tracker keeps the numbers (grpo.tracking.tracker.numeric_metrics)
+        tracker.log_metrics(metrics, step=step)  # the tracker keeps the numbers (grpo.tracking.values.numeric_metrics)
 
 
 def prep_params(stats: Mapping[str, Any]) -> dict[str, Any]:
