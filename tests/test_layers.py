@@ -7,6 +7,7 @@
 - ``grpo.rewards`` (registry, worker pool, streaming) imports no training stack and no ``grpo`` layer above it.
 - ``grpo.training`` (the TRL extension, policy, evaluation) never imports the pipeline, tracking, the app, MLflow or
   Prefect; ``grpo.pipeline`` (recipe, stages, data, run context) never imports the app or Prefect.
+- ``grpo.paths`` (the cache root) imports no ``grpo`` module: training and the pipeline both cache under it.
 - ``grpo.tracking`` (the MLflow tracker, its spool, what a run records, metric names) sits below the pipeline: the
   pipeline, the flows and the app import it, it never imports them (nor the dashboards or Prefect).
 - TRL, accelerate and peft are imported only by the training layer, and by ``grpo.config`` (it checks fields
@@ -129,6 +130,15 @@ def test_tracking_never_imports_the_pipeline_the_app_or_the_flows():
     assert {"grpo.tracking.tracker", "grpo.tracking.spool", "grpo.tracking.run_tracking",
             "grpo.tracking.metric_keys"} <= set(mods)
     assert violations(mods, allowed) == []
+
+
+def test_the_cache_root_lies_below_training_and_the_pipeline():
+    """Training caches the tiny model and the pipeline prepared data and plans under one root: the pipeline finds it
+    without importing the policy module (the training stack), training without importing the pipeline."""
+    cache_dirs, policy = imports_of(ROOT / "grpo/pipeline/cache_dirs.py"), imports_of(ROOT / "grpo/training/policy.py")
+    assert "grpo.paths.cache_root" in cache_dirs & policy
+    assert [i for i in cache_dirs if under(i, "grpo.training")] == []
+    assert [i for i in imports_of(ROOT / "grpo/paths.py") if top(i) == "grpo"] == []
 
 
 def test_the_training_stack_stays_in_the_training_layer():
