@@ -22,8 +22,8 @@
      each calling the pipeline as a subflow. Prepared data, sampler plans and the warm-started tiny model are built
      in the sweep's thread before a trial that needs them starts, so running trials only read those caches. With a
      pruner, the trial's training reports the pruner's metric (default ``reward``) at every logging step
-     (``flows.stages.ReportIntermediate``, added to that run's trainer through
-     :func:`grpo.pipeline.stages.add_run_callback`); when ``trial.should_prune()``, training stops at the end of
+     (``flows.stages.ReportIntermediate``, added to that run's trainer through the trial's
+     :class:`~grpo.pipeline.run_context.RunContext`); when ``trial.should_prune()``, training stops at the end of
      that step, the pipeline finishes as usual (model, eval, summary), the trial is told PRUNED, and its MLflow run
      (FINISHED) is tagged ``grpo.sweep.pruned=true`` and ``grpo.sweep.pruned_at_step``;
    * ``use_deployment="grpo-pipeline/<deployment>"``: each trial is a flow run of that deployment created with
@@ -68,7 +68,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.pipeline import FLOW_RUNS_STARTED, _flow_run_info, grpo_pipeline, mlflow_run_url
+from flows.pipeline import _flow_run_info, grpo_pipeline, mlflow_run_url
 from flows.run_form import UNSET, PresetChoice, WholeConfig, given
 from flows.sweep_form import (ConcurrencyField, DirectionField, MetricField, RegisteredModelField, SpaceField,
                               StorageField, StudyNameField, SweepNameField, TrialStepsField, TrialTimeoutField,
@@ -77,7 +77,7 @@ from grpo.config import ExperimentConfig, resolve_config, to_yaml
 from grpo.errors import GRPOPlatformError, RunDirectoryError
 from grpo.tracking.metric_keys import read_run_metric
 from grpo.tracking.run_tracking import end_status
-from grpo.pipeline.stages import add_run_callback, remove_run_callbacks
+from grpo.pipeline.run_context import RunContext
 from grpo.pipeline.sweep_space import Space, validate_space
 from grpo.tracking.model_logging import use_tracking_uri
 from grpo.tracking.tracker import SPOOL_DIRNAME, MlflowTracker, tracker_from_config
@@ -187,15 +187,18 @@ def _run_deployment(name: str, config: ExperimentConfig, run_name: str, tracking
 
 @task(name="sweep-trial", cache_policy=NO_CACHE, retries=0)
 def run_trial(config: ExperimentConfig, run_name: str, index: int, tracking_tags: dict, tracking: dict,
-              use_deployment: str | None = None, trial_timeout: float | None = None) -> dict:
+              use_deployment: str | None = None, trial_timeout: float | None = None,
+              context: RunContext | None = None) -> dict:
     """One trial: the pipeline as a subflow of this task (or a deployment's flow run); a failure marks its MLflow
-    run FAILED before the task fails, so the trial's slot is only freed once it is recorded."""
+    run FAILED before the task fails, so the trial's slot is only freed once it is recorded. ``context``: the
+    trial's (its pruning hook, the sweep's list of flow runs), handed to the local pipeline by its run directory."""
     run_dir = Path(config.output_dir) / run_name
     try:
         if use_deployment:
             return _run_deployment(use_deployment, config, run_name, tracking_tags, index, tracking, trial_timeout)
-        return grpo_pipeline.with_options(flow_run_name=run_name)(config=config, run_name=run_name,
-                                                                  tracking_tags=tracking_tags)
+        with (context or RunContext()).registered(run_dir):  # the pipeline's parameters stay JSON
+            return grpo_pipeline.with_options(flow_run_name=run_name)(config=config, run_name=run_name,
+                                                                      tracking_tags=tracking_tags)
     except Exception as err:
         _mark_child_failed(tracking, index, None if use_deployment else run_dir, f"{type(err).__name__}: {err}")
         raise
@@ -254,6 +257,11 @@ class StudyError(GRPOPlatformError, ValueError):
 def default_storage(config: ExperimentConfig) -> str:
     """``sqlite:///<output_dir>/optuna.db``: next to the sweeps of that output directory, one file for its studies."""
     return f"sqlite:///{Path(config.output_dir).resolve() / 'optuna.db'}"
+
+
+def default_sweep_name(config: ExperimentConfig) -> str:
+    """``<config name>-sweep-<local time>``: the sweep's name (and directory) when none is given."""
+    return f"{config.name}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def default_study_name(config: ExperimentConfig, sweep_name: str, deployment: str | None) -> str:
@@ -492,7 +500,7 @@ def grpo_sweep(
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency: must be >= 1 (got {max_concurrency})")
     sp = validate_space(config, space)  # fields, grid points and bounds checked before anything is created
-    name = sweep_name or f"{config.name}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = sweep_name or default_sweep_name(config)
     try:
         validate_run_name(name)
     except RunDirectoryError:
@@ -518,8 +526,9 @@ def grpo_sweep(
 
     clear_stop_request()  # an earlier sweep of this process (a test session) may have been interrupted
     flow_run_id, _, _ = _flow_run_info()
+    context = RunContext.for_run_dir(sweep_dir)  # the caller's (grpo sweep), else this sweep's own
     if flow_run_id is not None:
-        FLOW_RUNS_STARTED.append(flow_run_id)  # `grpo sweep` cancels it, with its trials', on Ctrl-C / SIGTERM
+        context.flow_runs.append(flow_run_id)  # `grpo sweep` cancels it, with its trials', on Ctrl-C / SIGTERM
     tracker = tracker_from_config(config, sweep_dir)
     parent_id, tracking = None, {}
     if tracker is not None:
@@ -549,7 +558,6 @@ def grpo_sweep(
     def record(t: dict, status: str, summary: dict, error: str | None) -> None:
         """Close one trial: its state in the study, its MLflow run's tags, its row in the results."""
         trial, index, run_dir = t["trial"], t["trial"].number, Path(config.output_dir) / name / t["run_name"]
-        remove_run_callbacks(run_dir)
         run_id = summary.get("mlflow_run_id")
         if run_id is None and client is not None:
             with contextlib.suppress(Exception):
@@ -597,7 +605,6 @@ def grpo_sweep(
                         launched += 1
                         trial = study.ask()
                         t = {"trial": trial, "run_name": f"{name}-t{trial.number:03d}", "values": {}, "hook": None}
-                        run_dir = sweep_dir / t["run_name"]
                         try:
                             t["values"] = sp.suggest(trial)
                             t["values"], cfg = sp.config(t["values"], f"trial {trial.number}")
@@ -609,7 +616,6 @@ def grpo_sweep(
                             continue
                         if sp.pruner_spec and not use_deployment:
                             t["hook"] = _pruning_hook(trial, sp.pruner_spec, direction)
-                            add_run_callback(run_dir, t["hook"])
                         tags = {"grpo.run_type": "trial", "grpo.sweep": name, "grpo.sweep.trial": str(trial.number),
                                 "grpo.sweep.study": study_name,
                                 "grpo.sweep.overrides": json.dumps(t["values"], default=str)}
@@ -619,7 +625,8 @@ def grpo_sweep(
                             run_trial.with_options(task_run_name=t["run_name"]),
                             parameters={"config": cfg, "run_name": t["run_name"], "index": trial.number,
                                         "tracking_tags": tags, "tracking": tracking, "use_deployment": use_deployment,
-                                        "trial_timeout": trial_timeout})
+                                        "trial_timeout": trial_timeout,
+                                        "context": context.for_trial([t["hook"]] if t["hook"] else [])})
                         running[future.wrapped_future] = {**t, "future": future}
                     if not running:
                         continue
@@ -636,7 +643,6 @@ def grpo_sweep(
                                "step and stop, waiting trials do not start")
                 request_stop()
                 for t in running.values():
-                    remove_run_callbacks(sweep_dir / t["run_name"])
                     with contextlib.suppress(Exception):
                         study.tell(t["trial"], state=TrialState.FAIL)  # not left RUNNING in the stored study
                 raise
@@ -707,5 +713,5 @@ def grpo_sweep(
             tracker.close(status=status)
 
 
-__all__ = ["grpo_sweep", "run_trial", "SweepError", "StudyError", "BEST_ALIAS", "default_study_name",
-           "default_storage", "param_importances"]
+__all__ = ["grpo_sweep", "run_trial", "SweepError", "StudyError", "BEST_ALIAS", "default_sweep_name",
+           "default_study_name", "default_storage", "param_importances"]
