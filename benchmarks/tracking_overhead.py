@@ -3,7 +3,7 @@
 1. Tracking overhead. The same short GRPO training (the ``tiny`` preset, ``BENCH_STEPS`` steps, ``logging_steps=1``
    so every step logs ~25 metrics: the worst case) with MLflow tracking on versus off (no tracker), in one process.
    Tracking on is what the pipeline and ``run_experiment`` do: the config's ``tracking`` section (MLflow, a local
-   SQLite store in a temp dir, system metrics on) through :func:`grpo.pipeline.run_tracking.start_run_tracking` (params, tags),
+   SQLite store in a temp dir, system metrics on) through :func:`grpo.tracking.run_tracking.start_run_tracking` (params, tags),
    and :class:`MlflowCallback` as a trainer callback. Per-step time is the training wall time / steps (everything the
    training thread does, callbacks included, plus whatever the tracker's background threads take from it on a
    shared CPU); TRL's own ``step_time`` metric (forward/backward of ``training_step`` only, so it does not contain
@@ -16,7 +16,7 @@
    internals (tests/test_layers.py). Prefect's temporary server starts with the first flow of the
    process; a no-op flow run first measures that start (and a second one the per-flow cost), outside the rounds.
    The MLflow part of the pipeline is timed by wrapping ``tracker_from_config`` / ``log_model`` in
-   :mod:`grpo.pipeline.run_tracking`, where the pipeline looks them up, and the training-progress artifact by timing
+   :mod:`grpo.tracking.run_tracking`, where the pipeline looks them up, and the training-progress artifact by timing
    the Prefect client's artifact updates (two per optimizer step at least: the train subflow's and the pipeline
    run's); the benchmark fails if the pipeline stops calling them.
 
@@ -53,7 +53,7 @@ from pathlib import Path
 from unittest import mock
 
 from benchmarks._sizes import TINY_SMOKE_OVERRIDES, size
-from grpo.pipeline.metric_keys import TRAIN_PREFIX
+from grpo.tracking.metric_keys import TRAIN_PREFIX
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_PCT = 2.0
@@ -101,9 +101,10 @@ def _tracking_overhead(root: Path, opts: Settings) -> dict:
     from grpo.pipeline.data import load_data
     from grpo.training.tiny_model import alphabet_of
     from grpo.training.policy import Policy, load_policy, tiny_cache_key
-    from grpo.pipeline.run_tracking import start_run_tracking
+    from grpo.tracking.run_tracking import start_run_tracking
     from grpo.runs import open_run_dir
-    from grpo.pipeline.tracking import MlflowCallback, MlflowTracker, sanitize_metric_key
+    from grpo.tracking.tracker import MlflowCallback, MlflowTracker
+    from grpo.tracking.values import sanitize_metric_key
     from grpo.training.train import train_grpo
 
     out = root / "train-runs"
@@ -390,12 +391,12 @@ def _top(profiler: cProfile.Profile, n: int = 12) -> list[str]:
 
 
 def _pipeline_overhead(root: Path, opts: Settings) -> dict:
-    import grpo.pipeline.run_tracking
+    import grpo.tracking.run_tracking
     from grpo.config import load_config
     from grpo.pipeline.experiment import run_experiment
     from grpo.runs import open_run_dir
     from grpo.pipeline.stages import policy_stage, prep_stage
-    from grpo.pipeline.tracking import MlflowTracker
+    from grpo.tracking.tracker import MlflowTracker
 
     micro = REPO / "tests" / "micro.yaml"
     uri = f"sqlite:///{root / 'mlflow-pipeline.db'}"
@@ -438,7 +439,7 @@ def _pipeline_overhead(root: Path, opts: Settings) -> dict:
     noop_flow_s = time.perf_counter() - t
 
     # Where the tracked pipeline spends its tracking time: the pipeline (like run_experiment) starts its tracker and
-    # logs the model through grpo.pipeline.run_tracking, so the functions are wrapped in that module's namespace.
+    # logs the model through grpo.tracking.run_tracking, so the functions are wrapped in that module's namespace.
     parts: dict[str, list[float]] = {"log_model": [], "tracker_start": [], "tracker_close": []}
 
     def timed(fn, key):
@@ -450,7 +451,7 @@ def _pipeline_overhead(root: Path, opts: Settings) -> dict:
                 parts[key].append(time.perf_counter() - s)
         return wrapper
 
-    real_tracker_from_config = grpo.pipeline.run_tracking.tracker_from_config
+    real_tracker_from_config = grpo.tracking.run_tracking.tracker_from_config
 
     def tracker_from_config(*args, **kwargs):
         tracker = real_tracker_from_config(*args, **kwargs)
@@ -476,9 +477,9 @@ def _pipeline_overhead(root: Path, opts: Settings) -> dict:
         return wrapper
 
     with ExitStack() as patches:  # every wrapper is undone on the way out, also when a round fails
-        patches.enter_context(mock.patch.object(grpo.pipeline.run_tracking, "tracker_from_config", tracker_from_config))
-        patches.enter_context(mock.patch.object(grpo.pipeline.run_tracking, "log_model",
-                                                timed(grpo.pipeline.run_tracking.log_model, "log_model")))
+        patches.enter_context(mock.patch.object(grpo.tracking.run_tracking, "tracker_from_config", tracker_from_config))
+        patches.enter_context(mock.patch.object(grpo.tracking.run_tracking, "log_model",
+                                                timed(grpo.tracking.run_tracking.log_model, "log_model")))
         patches.enter_context(mock.patch.object(SyncPrefectClient, "update_artifact",
                                                 timed_progress(SyncPrefectClient.update_artifact)))
         times, train_s, flow_runs_before, flow_runs = _pipeline_rounds(opts, micro, overrides, config, cli,

@@ -35,8 +35,8 @@ from typing import Any
 
 from grpo.errors import GRPOPlatformError
 from grpo.formatting import human_number
-from grpo.pipeline.metric_keys import TRAIN_PREFIX, eval_before_after, is_eval_curve
-from grpo.pipeline.tracking import mlflow_ui_url
+from grpo.tracking.metric_keys import TRAIN_PREFIX, eval_before_after, is_eval_curve
+from grpo.tracking.store import mlflow_ui_url
 
 ARTIFACT_PATH = "dashboard"
 _MAX_RUNS = 500  # more runs than this make an unreadable page; the newest are shown
@@ -570,7 +570,7 @@ def log_dashboard(tracker_or_client: Any, run_id: str | None, path: str | Path,
                   artifact_path: str = ARTIFACT_PATH) -> str:
     """Upload the dashboard file ``path`` as an artifact of ``run_id`` (e.g. a sweep's parent run).
 
-    ``tracker_or_client`` is a :class:`grpo.pipeline.tracking.MlflowTracker` (``run_id`` may then be None for the tracker's
+    ``tracker_or_client`` is a :class:`grpo.tracking.tracker.MlflowTracker` (``run_id`` may then be None for the tracker's
     own run) or an ``MlflowClient``. Returns the artifact's path in the run, ``dashboard/<file name>``. Errors of the
     upload are raised (the caller decides whether a missing dashboard matters).
     """

@@ -30,11 +30,10 @@ from grpo.console import quiet_library_noise
 from grpo.errors import GRPOPlatformError
 from grpo.pipeline.confine import check_config_paths
 from grpo.pipeline.recipe import run_recipe
-from grpo.pipeline.tracking import MlflowCallback, MlflowTracker, mlflow_ui_url
+from grpo.pipeline.run_context import RunContext
+from grpo.tracking.store import mlflow_ui_url
+from grpo.tracking.tracker import MlflowTracker
 from grpo.runs import RunDir, open_run_dir
-
-FLOW_RUNS_STARTED: list[str] = []  # this process's pipeline flow runs: the CLI cancels them on Ctrl-C / SIGTERM
-_TRACKERS: dict[str, MlflowTracker] = {}  # run dir -> tracker, shared by the subflows of one pipeline run
 
 
 @flow(name="grpo-train", flow_run_name="train")
@@ -48,10 +47,10 @@ def train_flow(config: ExperimentConfig, run_dir: str, data_dir: str, plan_path:
     from prefect.runtime import flow_run
 
     run = RunDir(Path(run_dir))
-    tracker = _TRACKERS.get(str(run.path))
+    context = RunContext.for_run_dir(run.path)  # the pipeline's (PrefectStages.train): parameters stay JSON
     parent = flow_run.parent_flow_run_id
     callbacks = [PrefectProgress(run.read_json("eval_before.json"), str(parent) if parent else None),
-                 *([MlflowCallback(tracker)] if tracker is not None else [])]
+                 *context.tracking_callbacks(), *context.callbacks]
     logger = get_run_logger()
     try:
         return grpo.pipeline.stages.train_stage(config, run, data_dir, plan_path, resume, callbacks=callbacks,
@@ -121,13 +120,9 @@ class PrefectStages:
         return eval_flow(cfg, model, data_dir, out_file, tag)
 
     def train(self, cfg: ExperimentConfig, run: RunDir, data_dir: str, plan_path: str, resume: bool,
-              tracker: MlflowTracker | None, log) -> dict:
-        if tracker is not None:  # the subflow's parameters must stay JSON: it finds the tracker here
-            _TRACKERS[str(run.path)] = tracker
-        try:
+              context: RunContext, log) -> dict:
+        with context.registered(run.path):  # the subflow's parameters must stay JSON: it finds the context by run dir
             return train_flow(cfg, str(run.path), data_dir, plan_path, resume)
-        finally:
-            _TRACKERS.pop(str(run.path), None)
 
     def finished(self, summary: dict) -> None:
         create_markdown_artifact(key="grpo-run-summary", markdown=summarize_for_ui(summary), description="GRPO run")
@@ -177,7 +172,9 @@ def grpo_pipeline(
     """Prepare data, plan, evaluate, train with GRPO and evaluate again, tracked in MLflow.
 
     The run form's fields (titles and help in :mod:`flows.run_form`) change the preset (or ``config``) field by
-    field; an empty field keeps its value. From code, pass a whole ``config`` (the CLI and sweeps do).
+    field; an empty field keeps its value. From code, pass a whole ``config`` (the CLI and sweeps do); a caller in
+    this process with live objects for the run (trainer callbacks, its list of started flow runs) registers a
+    :class:`~grpo.pipeline.run_context.RunContext` under the run directory around the call.
     """
     quiet_library_noise()
     settings = form_settings(
@@ -202,14 +199,15 @@ def grpo_pipeline(
         # traceback; a caller in Python gets the error itself (the CLI prints it as its one-line error)
         logger.error(f"error: {err}")
         return Failed(message=str(err), data=err)
+    context = RunContext.for_run_dir(run.path)  # the caller's (grpo run, a sweep's trial), else this run's own
     if flow_run_id is not None:
-        FLOW_RUNS_STARTED.append(flow_run_id)
+        context.flow_runs.append(flow_run_id)  # grpo run / grpo sweep cancel it on Ctrl-C / SIGTERM
     logger.info(f"run directory {run.path} (resume={resume})")
 
     tags = {"prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": flow_run_name,
             "prefect.deployment": _deployment_name(), "prefect.ui_url": _ui_url(flow_run_id), **(given(tracking_tags) or {})}
     try:
-        return run_recipe(config, run, PrefectStages(), resume=resume, log=logger.info, tags=tags,
+        return run_recipe(config, run, PrefectStages(), context=context, resume=resume, log=logger.info, tags=tags,
                           summary_extra={"prefect_flow_run_id": flow_run_id})
     except BaseException as err:
         # Cancel in the UI (the runner's SIGTERM): the run ends Cancelled, not Crashed; a caller in Python (the CLI)

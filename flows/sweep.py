@@ -6,23 +6,25 @@ What Prefect adds, and only that:
 - the run form (:mod:`flows.sweep_form`): a preset or a whole config, training steps per trial, the search space;
 - each trial a ``sweep-trial`` task run of this flow run (at most ``max_concurrency`` at once). Locally (default,
   :class:`grpo.pipeline.sweep.InProcessTrials`) its pipeline is a ``grpo-pipeline`` subflow in the trial's thread,
-  and the ``grpo-prep`` and ``grpo-plan`` subflows and the ``warm-start-policy`` task build the inputs trials share
-  first. With ``use_deployment="grpo-pipeline/<deployment>"`` (:class:`DeploymentTrials`) it is a flow run of that
-  deployment, executed by whatever worker serves the deployment's work pool;
+  handed the trial's :class:`~grpo.pipeline.run_context.RunContext` (its pruning hook, the sweep's list of flow
+  runs) by its run directory, and the ``grpo-prep`` and ``grpo-plan`` subflows and the ``warm-start-policy`` task
+  build the inputs trials share first. With ``use_deployment="grpo-pipeline/<deployment>"``
+  (:class:`DeploymentTrials`) it is a flow run of that deployment, executed by whatever worker serves the
+  deployment's work pool;
 - the artifacts: a link to the parent MLflow run while the sweep runs, then the table ``sweep-results`` and the
   markdown ``sweep-summary`` (completed, pruned, failed; the study's totals);
-- the flow run: its id on the parent run and in the result, and in ``FLOW_RUNS_STARTED`` (``grpo sweep`` cancels it,
-  with its trials', on Ctrl-C / SIGTERM); a deployment's runs continue the study ``<config name>-<deployment name>``.
+- the flow run: its id on the parent run and in the result, and in its run context's list of flow runs (the
+  context ``grpo sweep`` registered under the sweep's directory: it cancels them, with its trials', on Ctrl-C /
+  SIGTERM); a deployment's runs continue the study ``<config name>-<deployment name>``.
 
-:class:`MlflowTrialRuns` is the sweep's MLflow side beyond its parent run (its trials' runs, the model registry): it
-belongs with the tracking modules, and sits here, on the sweep's caller side, until they offer it.
+The sweep's MLflow side beyond its parent run (its trials' runs, the model registry) is
+:class:`grpo.tracking.sweep_runs.MlflowTrialRuns`; this flow passes it to the sweep.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,7 +34,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.pipeline import FLOW_RUNS_STARTED, _flow_run_info, grpo_pipeline, mlflow_run_url
+from flows.pipeline import _flow_run_info, grpo_pipeline, mlflow_run_url
 from flows.run_form import UNSET, PresetChoice, WholeConfig, given
 from flows.stages import plan_flow, prep_flow
 from flows.sweep_form import (ConcurrencyField, DirectionField, MetricField, RegisteredModelField, SpaceField,
@@ -40,9 +42,10 @@ from flows.sweep_form import (ConcurrencyField, DirectionField, MetricField, Reg
                               UseDeploymentField)
 from grpo.config import ExperimentConfig, resolve_config
 from grpo.pipeline.confine import check_config_paths
-from grpo.pipeline.sweep import (BEST_ALIAS, InProcessTrials, InputStages, ParentRun, Sweep, Trial, results_table,
+from grpo.pipeline.run_context import RunContext
+from grpo.pipeline.sweep import (InProcessTrials, InputStages, Sweep, Trial, default_sweep_name, results_table,
                                  run_sweep)
-from grpo.pipeline.tracking import SPOOL_DIRNAME, MlflowTracker, use_tracking_uri
+from grpo.tracking.sweep_runs import MlflowTrialRuns, ParentRun
 
 _DEPLOYMENT_LOCK = threading.Lock()  # run_deployment's subflow task keys come from an unlocked per-flow counter
 
@@ -52,12 +55,17 @@ _DEPLOYMENT_LOCK = threading.Lock()  # run_deployment's subflow task keys come f
 
 @task(name="sweep-trial", cache_policy=NO_CACHE, retries=0)
 def run_trial(config: ExperimentConfig, run_name: str, index: int, tracking_tags: dict, tracking: dict,
-              use_deployment: str | None = None, trial_timeout: float | None = None) -> dict:
-    """One trial: the pipeline as a subflow of this task, or a flow run of ``use_deployment`` linked to it."""
+              use_deployment: str | None = None, trial_timeout: float | None = None,
+              context: RunContext | None = None) -> dict:
+    """One trial: the pipeline as a subflow of this task, or a flow run of ``use_deployment`` linked to it.
+    ``context``: the trial's (its pruning hook, the sweep's list of flow runs), handed to the local pipeline by its
+    run directory."""
     if use_deployment:
         return _run_deployment(use_deployment, config, run_name, tracking_tags, index, tracking, trial_timeout)
-    return grpo_pipeline.with_options(flow_run_name=run_name)(config=config, run_name=run_name,
-                                                              tracking_tags=tracking_tags)
+    run_dir = Path(config.output_dir) / run_name
+    with (context or RunContext()).registered(run_dir):  # the pipeline's parameters stay JSON: it looks the context up
+        return grpo_pipeline.with_options(flow_run_name=run_name)(config=config, run_name=run_name,
+                                                                  tracking_tags=tracking_tags)
 
 
 def _tracking(trial: Trial) -> dict:
@@ -70,7 +78,7 @@ def _pipeline_subflow(trial: Trial) -> dict:
     """A local trial: its ``sweep-trial`` task, the pipeline a subflow of it."""
     return run_trial.with_options(task_run_name=trial.run_name)(
         config=trial.config, run_name=trial.run_name, index=trial.number, tracking_tags=trial.tags,
-        tracking=_tracking(trial))
+        tracking=_tracking(trial), context=trial.context)
 
 
 @task(name="warm-start-policy", cache_policy=NO_CACHE)
@@ -145,80 +153,8 @@ def _run_deployment(name: str, config: ExperimentConfig, run_name: str, tracking
 
 
 def _summary_from_mlflow(tracking: dict, index: int) -> dict:
-    runs = MlflowTrialRuns(ParentRun(tracking["uri"], tracking["experiment_id"], tracking["parent_run_id"]))
-    run_id = runs.tagged(index)
-    if run_id is None:
-        raise RuntimeError(f"trial {index}: no MLflow run tagged with this sweep's trial {index}")
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            summary = json.loads(Path(runs.client.download_artifacts(run_id, "summary.json", tmp)).read_text())
-    except Exception:
-        summary = {}
-    return {"mlflow_run_id": run_id, **summary}
-
-
-# ---------------------------------------------------------------- MLflow: the trials' runs and the registry
-
-
-class MlflowTrialRuns:
-    """:class:`grpo.pipeline.sweep.TrialRuns` on MLflow, for the trials of the parent run ``parent``: find a trial's
-    run, set it FAILED or tag it pruned, register the best trial's model."""
-
-    def __init__(self, parent: ParentRun) -> None:
-        from mlflow import MlflowClient
-
-        self.parent, self.client = parent, MlflowClient(parent.tracking_uri)
-
-    def find(self, trial: Trial, local: bool) -> str | None:
-        """The id a local trial's tracker recorded in its run directory's spool, else the run tagged as the trial."""
-        if local:
-            run_id = MlflowTracker.saved_run_id(trial.run_dir / SPOOL_DIRNAME)
-            if run_id:
-                return run_id
-        return self.tagged(trial.number)
-
-    def tagged(self, number: int) -> str | None:
-        """The run nested under the parent with ``grpo.sweep.trial`` = ``number``."""
-        if self.parent.experiment_id is None:
-            return None
-        runs = self.client.search_runs(
-            [self.parent.experiment_id], max_results=1,
-            filter_string=f"tags.`mlflow.parentRunId` = '{self.parent.run_id}' and "
-                          f"tags.`grpo.sweep.trial` = '{number}'")
-        return runs[0].info.run_id if runs else None
-
-    def mark_failed(self, run_id: str, error: str) -> None:
-        run = self.client.get_run(run_id)
-        self.client.set_tag(run_id, "grpo.sweep.error", error[:4000])
-        self.client.set_terminated(run_id, status="FAILED", end_time=run.info.end_time)  # keep the real end time
-
-    def mark_pruned(self, run_id: str, step: int) -> None:
-        self.client.set_tag(run_id, "grpo.sweep.pruned", "true")
-        self.client.set_tag(run_id, "grpo.sweep.pruned_at_step", str(step))
-
-    def register(self, best: dict[str, Any], model_name: str, sweep: Sweep) -> dict[str, Any]:
-        """A new version of ``model_name`` from the best trial's logged model, with alias ``best``; when the alias
-        already names a version of that run (the best trial of an earlier invocation), that version stays."""
-        import mlflow
-
-        client, run_id = self.client, best["mlflow_run_id"]
-        with contextlib.suppress(Exception):
-            current = client.get_model_version_by_alias(model_name, BEST_ALIAS)
-            if current.run_id == run_id:
-                return {"name": model_name, "version": str(current.version), "alias": BEST_ALIAS,
-                        "source": current.source, "run_id": run_id, "unchanged": True}
-        models = [m for m in client.search_logged_models(experiment_ids=[self.parent.experiment_id],
-                                                         filter_string=f"source_run_id = '{run_id}'")
-                  if m.source_run_id == run_id]
-        source = f"models:/{models[0].model_id}" if models else f"runs:/{run_id}/model"
-        tags = {"grpo.sweep": best.get("sweep") or sweep.name, "grpo.sweep.parent_run_id": self.parent.run_id,
-                "grpo.sweep.study": sweep.study_name, "grpo.sweep.trial": str(best["trial"]),
-                "grpo.sweep.metric": sweep.metric, "grpo.sweep.metric_value": str(best["metric_value"])}
-        with use_tracking_uri(self.parent.tracking_uri):
-            version = mlflow.register_model(source, model_name, tags=tags)
-        client.set_registered_model_alias(model_name, BEST_ALIAS, version.version)
-        return {"name": model_name, "version": str(version.version), "alias": BEST_ALIAS, "source": source,
-                "run_id": run_id, "unchanged": False}
+    parent = ParentRun(tracking["uri"], tracking["experiment_id"], tracking["parent_run_id"])
+    return MlflowTrialRuns(parent).summary(index)
 
 
 # ---------------------------------------------------------------- the flow run's artifacts
@@ -296,17 +232,19 @@ def grpo_sweep(
     # grpo.max_steps still sets each trial's own)
     config = resolve_config(given(config), given(preset), [f"grpo.max_steps={max_steps}"] if max_steps else None)
     check_config_paths(config)  # a served sweep (grpo serve) stays inside the allowed roots (#12.15)
+    name = given(sweep_name) or default_sweep_name(config)
+    context = RunContext.for_run_dir(Path(config.output_dir) / name)  # the caller's (grpo sweep), else its own
     flow_run_id, _, _ = _flow_run_info()
     if flow_run_id is not None:
-        FLOW_RUNS_STARTED.append(flow_run_id)  # `grpo sweep` cancels it, with its trials', on Ctrl-C / SIGTERM
+        context.flow_runs.append(flow_run_id)  # `grpo sweep` cancels it, with its trials', on Ctrl-C / SIGTERM
     trials = (DeploymentTrials(deployment, given(trial_timeout)) if deployment
               else InProcessTrials(_pipeline_subflow, PREFECT_INPUTS))
-    return run_sweep(config, space, trials, name=given(sweep_name), study_name=given(study_name),
+    return run_sweep(config, space, trials, name=name, study_name=given(study_name),
                      storage=given(storage), deployment=runtime_deployment.name, metric=metric, direction=direction,
                      max_concurrency=max_concurrency, registered_model_name=given(registered_model_name),
                      trial_runs=MlflowTrialRuns, report=PrefectArtifacts(), log=get_run_logger(),
                      tags={"prefect.flow_run_id": flow_run_id} if flow_run_id else None,
-                     result_extra={"prefect_flow_run_id": flow_run_id})
+                     result_extra={"prefect_flow_run_id": flow_run_id}, context=context)
 
 
-__all__ = ["DeploymentTrials", "MlflowTrialRuns", "PrefectArtifacts", "grpo_sweep", "run_trial"]
+__all__ = ["DeploymentTrials", "PrefectArtifacts", "grpo_sweep", "run_trial"]

@@ -20,7 +20,7 @@ HARMLESS_WARNINGS = [
 # (logger, message start): log records of the same kind. transformers sorts checkpoints by mtime and says so when two
 # were saved within a second, which every short run does; it then sorts them by step, which is right.
 # MLflow says on every run of a CPU machine that it skips GPU metrics, on every model it logs that the model card's
-# license is not a known one (the card is written locally, see grpo.pipeline.tracking.log_model), and on a new local
+# license is not a known one (the card is written locally, see grpo.tracking.model_logging.log_model), and on a new local
 # store that it creates its tables.
 HARMLESS_LOG_RECORDS = [("transformers.trainer_utils", "mtime may not be reliable"),
                         ("mlflow.system_metrics.system_metrics_monitor", "Skip logging GPU metrics"),
@@ -58,7 +58,7 @@ class _ReportedError(logging.Filter):
 # Environment settings of the same kind, for this process and the ones it starts (unless the user set them): MLflow's
 # progress bars of artifact uploads and downloads (one per logged model, one per dashboard of a sweep), and its "View
 # run" / "View experiment" lines at each run's end, whose links open MLflow's GenAI view (the CLI prints the run's
-# link to the training view instead: grpo.pipeline.tracking.mlflow_ui_url).
+# link to the training view instead: grpo.tracking.store.mlflow_ui_url).
 QUIET_ENV = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 
 

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from dashboards.comparison import build_dashboard
-from grpo.pipeline.run_tracking import eval_metrics, log_numbers, log_plan, log_prep
-from grpo.pipeline.tracking import MlflowCallback, MlflowTracker, log_model, mlflow_ui_url
+from grpo.tracking.run_tracking import eval_metrics, log_numbers, log_plan, log_prep
+from grpo.tracking.model_logging import log_model
+from grpo.tracking.store import mlflow_ui_url
+from grpo.tracking.tracker import MlflowCallback, MlflowTracker
 from tests.conftest import REPO
 from tests.test_dashboard import SWEEP_PLOTS, SWEEP_RUNS, make_experiment
 
@@ -90,7 +92,7 @@ PLAN = {"generation_rounds": 10, "epochs": 1, "predicted_imbalance": {"plan_orde
 
 
 def _log_run(uri: str, tmp_path: Path, name: str, lr: float, after: float, model_dir: Path) -> MlflowTracker:
-    """One run as the recipe logs it (grpo.pipeline.run_tracking): prep and plan, eval before, the trainer's metrics
+    """One run as the recipe logs it (grpo.tracking.run_tracking): prep and plan, eval before, the trainer's metrics
     through MlflowCallback, eval after, the model at the last step."""
     from transformers import TrainerControl, TrainerState
 

@@ -89,7 +89,7 @@ def make_experiment(uri: str) -> dict:
         children[run_name] = run.info.run_id
     client.set_terminated(parent.info.run_id, "FINISHED", end_time=t0 + 900_000)
     baseline = client.create_run(exp_id, run_name="baseline-other", start_time=t0)
-    # logged before the train/ prefix (grpo.pipeline.metric_keys): still read
+    # logged before the train/ prefix (grpo.tracking.metric_keys): still read
     client.log_batch(baseline.info.run_id, metrics=[Metric("reward", 0.1, t0, s) for s in (1, 2)],
                      params=[Param("grpo.learning_rate", "5e-6")])
     return {"experiment": name, "experiment_id": exp_id, "sweep": parent.info.run_id, "children": children,

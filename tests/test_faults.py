@@ -307,7 +307,7 @@ def test_secrets_are_refused_in_the_config_and_masked_if_logged(tmp_path):
     Prefect flow-run parameters. A config is stored in plain text in all three, so a secret is refused at load (the
     environment variable named instead); MLflow logging masks secret-like keys as a second line of defence."""
     from grpo.config import ConfigError
-    from grpo.pipeline.tracking import redact
+    from grpo.tracking.values import redact
 
     with pytest.raises(ConfigError, match=r"grpo.extra: 'hub_token' is a secret.*set the HF_TOKEN environment variable"):
         load_config(MICRO, micro_overrides(tmp_path, **{"grpo.extra": "{hub_token: hf_SECRETVALUE}"}))

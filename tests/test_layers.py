@@ -11,17 +11,22 @@
 - ``grpo.rewards`` (registry, worker pool, streaming) imports no training stack and no ``grpo`` layer above it;
   ``grpo.environments`` (environments, tools, the episode runner) neither, except transformers' tool-schema helper
   (``transformers.utils``). Both register through the core ``grpo.registry``.
-- ``grpo.training`` (the TRL extension, policy, evaluation) never imports the pipeline, the app, MLflow or Prefect;
-  ``grpo.pipeline`` (recipe, stages, data, tracking) never imports the app or Prefect.
+- ``grpo.training`` (the TRL extension, policy, evaluation) never imports the pipeline, tracking, the app, MLflow or
+  Prefect; ``grpo.pipeline`` (recipe, stages, data, run context, the sweep) never imports the app or Prefect.
+- ``grpo.paths`` (the cache root) imports no ``grpo`` module: training and the pipeline both cache under it.
+- ``grpo.tracking`` (the MLflow tracker, its spool, what a run records, metric names, a sweep's trial runs) sits
+  below the pipeline: the pipeline, the flows and the app import it, it never imports them (nor the dashboards or
+  Prefect).
 - ``grpo.config`` imports below it only: ``grpo.errors``, the batch layout (``grpo.algo.batch_layout``) and the
   synthetic tasks (``grpo.tasks``). One module reaches up, ``grpo.config.trl_and_rewards`` (TRL's ``GRPOConfig``
-  fields and help, transformers' loggers, the reward, environment and tool registries), and only inside its functions: importing the config
-  imports none of them.
+  fields and help, transformers' loggers, the reward, environment and tool registries), and only inside its
+  functions: importing the config imports none of them.
 - TRL, accelerate and peft are imported only by the training layer, and by ``grpo.config.trl_and_rewards`` and
-  ``grpo.distributed`` (accelerate's process state); transformers besides only by
-  the trainer-callback adapters (``grpo.pipeline.tracking``, ``flows.stages``) and ``grpo.console`` (log levels).
-- MLflow is imported only where runs are tracked (``grpo.pipeline.tracking``, ``grpo.pipeline.run_tracking``), by the app, the flows
-  (a sweep's parent run) and the dashboards; ``dashboards/`` never import Prefect.
+  ``grpo.distributed`` (accelerate's process state); transformers besides only by the trainer-callback adapters
+  (``grpo.tracking.tracker``, ``flows.stages``), the model logging (``grpo.tracking.model_logging``: MLflow's
+  transformers flavour) and ``grpo.console`` (log levels).
+- MLflow is imported only where runs are tracked (``grpo.tracking``, but for its generic spool and its metric names),
+  by the app, the flows and the dashboards; ``dashboards/`` never import Prefect.
 - The TRL methods the trainer overrides are listed in one place (``grpo.training.trainer.TRL_HOOKS``), checked against the
   class and the pinned TRL.
 """
@@ -179,7 +184,7 @@ def test_environments_import_no_training_stack_but_the_tool_schema_helper():
 
 def test_training_never_imports_the_pipeline_or_the_app():
     def allowed(mod: str, imp: str) -> bool:
-        return not (under(imp, "grpo.pipeline") or under(imp, "grpo.app")
+        return not (under(imp, "grpo.pipeline") or under(imp, "grpo.tracking") or under(imp, "grpo.app")
                     or top(imp) in {"mlflow", "prefect", "flows", "dashboards"})
 
     mods = modules("grpo/training")
@@ -196,8 +201,29 @@ def test_pipeline_never_imports_the_app_or_prefect():
     assert violations(mods, allowed) == []
 
 
+def test_tracking_never_imports_the_pipeline_the_app_or_the_flows():
+    """The direction is pipeline -> tracking: the recipe and the flows start trackers and log through them."""
+    def allowed(mod: str, imp: str) -> bool:
+        return not (under(imp, "grpo.pipeline") or under(imp, "grpo.app")
+                    or top(imp) in {"prefect", "flows", "dashboards"})
+
+    mods = modules("grpo/tracking")
+    assert {"grpo.tracking.tracker", "grpo.tracking.spool", "grpo.tracking.run_tracking",
+            "grpo.tracking.metric_keys"} <= set(mods)
+    assert violations(mods, allowed) == []
+
+
+def test_the_cache_root_lies_below_training_and_the_pipeline():
+    """Training caches the tiny model and the pipeline prepared data and plans under one root: the pipeline finds it
+    without importing the policy module (the training stack), training without importing the pipeline."""
+    cache_dirs, policy = imports_of(ROOT / "grpo/pipeline/cache_dirs.py"), imports_of(ROOT / "grpo/training/policy.py")
+    assert "grpo.paths.cache_root" in cache_dirs & policy
+    assert [i for i in cache_dirs if under(i, "grpo.training")] == []
+    assert [i for i in imports_of(ROOT / "grpo/paths.py") if top(i) == "grpo"] == []
+
+
 def test_the_training_stack_stays_in_the_training_layer():
-    callbacks = {"grpo.pipeline.tracking", "flows.stages", "grpo.console"}
+    callbacks = {"grpo.tracking.tracker", "grpo.tracking.model_logging", "flows.stages", "grpo.console"}
 
     def allowed(mod: str, imp: str) -> bool:
         if under(mod, "grpo.training") or top(imp) not in {"trl", "transformers", "accelerate", "peft"}:
@@ -212,7 +238,9 @@ def test_the_training_stack_stays_in_the_training_layer():
 
 
 def test_mlflow_only_where_runs_are_tracked():
-    tracking = {"grpo.pipeline.tracking", "grpo.pipeline.run_tracking", "grpo.tracking.traces"}
+    tracking = set(modules("grpo/tracking")) - {"grpo.tracking.spool", "grpo.tracking.metric_keys"}
+    assert {"grpo.tracking.tracker", "grpo.tracking.run_lifecycle", "grpo.tracking.batched_logging",
+            "grpo.tracking.sync_logging", "grpo.tracking.model_logging", "grpo.tracking.run_tracking"} <= tracking
 
     def allowed(mod: str, imp: str) -> bool:
         return top(imp) != "mlflow" or mod in tracking or any(under(mod, p) for p in ("grpo.app", "flows", "dashboards"))

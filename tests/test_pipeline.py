@@ -178,6 +178,56 @@ def test_prep_and_plan_are_cached_across_runs(tmp_path, prefect_in_process, mlfl
     assert first["mlflow_run_id"] != second["mlflow_run_id"]
 
 
+def test_a_run_context_is_found_by_its_run_directory_only_while_registered(tmp_path, monkeypatch):
+    """#29: the one registry behind the flows' hand-offs. A context registered for a run directory is found from any
+    spelling of that directory, a nested registration is undone on the way out, another directory (or none
+    registered) gets a context of its own; a trial's context shares its sweep's flow-run list and nothing else."""
+    from grpo.pipeline.run_context import RunContext
+
+    monkeypatch.chdir(tmp_path)
+    outer, inner, hook = RunContext(), RunContext(), object()
+    with outer.registered("runs/a"):
+        assert RunContext.for_run_dir(tmp_path / "runs" / "a") is outer
+        with inner.registered(tmp_path / "runs" / "a"):
+            assert RunContext.for_run_dir("runs/a") is inner
+        assert RunContext.for_run_dir("runs/./a") is outer
+        own = RunContext.for_run_dir("runs/b")
+        assert own is not outer and own is not inner and own.flow_runs == [] and own.callbacks == []
+    assert RunContext.for_run_dir("runs/a") is not outer
+    trial = outer.for_trial([hook])
+    assert trial.flow_runs is outer.flow_runs and trial.callbacks == [hook] and outer.callbacks == []
+    assert trial.tracker is None and trial.tracking_callbacks() == []
+
+
+def test_the_callers_run_context_reaches_the_train_subflow(tmp_path, prefect_in_process, mlflow_server):
+    """#29: a caller in this process hands the pipeline flow live objects in a RunContext registered under the run
+    directory (the flow's parameters stay JSON): its trainer callback runs in the ``grpo-train`` subflow beside the
+    tracker's (the run's train/ metrics reach MLflow), the pipeline's flow run id lands in the caller's list, and
+    afterwards the context holds no tracker and the registry no context."""
+    from transformers import TrainerCallback
+
+    from flows.pipeline import grpo_pipeline
+    from grpo.pipeline.run_context import RunContext
+
+    class Steps(TrainerCallback):
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seen.append(state.global_step)
+
+    steps = Steps()
+    context = RunContext(callbacks=[steps])
+    cfg = pipeline_config(tmp_path, mlflow_server.uri, **{"grpo.max_steps": 2, "grpo.save_steps": 2})
+    with context.registered(tmp_path / "handed"):
+        summary = grpo_pipeline(config=cfg, run_name="handed")
+    assert steps.seen == [1, 2]
+    assert context.flow_runs == [summary["prefect_flow_run_id"]]
+    history = MlflowClient(mlflow_server.uri).get_metric_history(summary["mlflow_run_id"], "train/reward")
+    assert [m.step for m in history] == [2]
+    assert context.tracker is None and RunContext.for_run_dir(tmp_path / "handed") is not context
+
+
 NOISE = [
     re.compile(r"^\s*(\d+\s+)?\d+\s+[A-Z][A-Z_]{3,}(\s|$)"),  # dill's bytecode disassembly (`159 0 RESUME`)
     re.compile(r"LOAD_GLOBAL|RETURN_VALUE|FutureWarning|Writing model shards|Loading weights|mtime may not be reliable"

@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 
 from grpo.environments import register_environment
 from grpo.environments.base import Environment, StepResult, ToolCall
-from grpo.pipeline.tracking import MlflowCallback, MlflowTracker
+from grpo.tracking.tracker import MlflowCallback, MlflowTracker
 from grpo.tracking.traces import DROPPED_METRIC, WRITTEN_METRIC
 from tests.servers import MlflowServer
 from tests.trainers import environment_trainer

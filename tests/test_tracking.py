@@ -12,18 +12,10 @@ from mlflow import MlflowClient
 from transformers import TrainerControl, TrainerState
 
 from grpo.config import flatten, load_config
-from grpo.pipeline.tracking import (
-    MAX_PARAM_VAL_LENGTH,
-    MlflowCallback,
-    MlflowTracker,
-    TrackingError,
-    log_metrics_file,
-    log_model,
-    param_value,
-    resolve_tracking_uri,
-    tracker_from_config,
-    use_tracking_uri,
-)
+from grpo.tracking.model_logging import log_model, use_tracking_uri
+from grpo.tracking.store import TrackingError, resolve_tracking_uri
+from grpo.tracking.tracker import MlflowCallback, MlflowTracker, log_metrics_file, tracker_from_config
+from grpo.tracking.values import MAX_PARAM_VAL_LENGTH, param_value
 
 pytestmark = pytest.mark.integration
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -291,7 +283,7 @@ def test_embedded_sqlite_default(make_tracker, tmp_path, monkeypatch):
 
 def test_batches_respect_mlflow_limit_and_line_boundaries():
     lines = [(10, ["a"] * 600), (20, ["b"] * 300), (30, ["c"] * 2500), (40, []), (50, ["d"] * 5)]
-    from grpo.pipeline.spool import Spool
+    from grpo.tracking.spool import Spool
 
     out = list(Spool.batches(lines, 1000))
     assert all(len(batch) <= 1000 for _, batch in out)
@@ -300,7 +292,7 @@ def test_batches_respect_mlflow_limit_and_line_boundaries():
 
 
 def test_keys_and_param_values():
-    from grpo.pipeline.tracking import sanitize_metric_key
+    from grpo.tracking.values import sanitize_metric_key
 
     assert sanitize_metric_key("eval/pass@8") == "eval/pass_at_8"
     assert sanitize_metric_key("/rewards//exact match (mean)/") == "rewards/exact match _mean_"

@@ -103,25 +103,23 @@ def _log_to_file(path: Path) -> None:
 
 
 @contextmanager
-def _stoppable(saved: str):
+def _stoppable(saved: str, flow_runs: list[str]):
     """Run a flow so that Ctrl-C or SIGTERM stops it within seconds (#12.5, #12.6): the embedded Prefect server runs
     in its own session (a Ctrl-C to the terminal does not kill it under the run) and dies with this process; the
     first signal unwinds the run (its MLflow run ends KILLED) and marks its flow runs Cancelled; exit 130 / 143. A
-    second Ctrl-C exits at once."""
+    second Ctrl-C exits at once. ``flow_runs``: the command's (its RunContext's), filled as the flow runs start."""
     from prefect.exceptions import TerminationSignal
 
     from grpo.app import procguard
 
     server = procguard.embedded_prefect_server()
     procguard.install_signal_handlers()
-    from flows.pipeline import FLOW_RUNS_STARTED
-
     try:
-        with procguard.CancelWatch(FLOW_RUNS_STARTED, server.api_url if server else None):
+        with procguard.CancelWatch(flow_runs, server.api_url if server else None):
             yield
     except (KeyboardInterrupt, procguard.Terminated, TerminationSignal) as err:
         code = procguard.exit_code(err)
-        cancelled = procguard.cancel_flow_runs(FLOW_RUNS_STARTED, server.api_url if server else None,
+        cancelled = procguard.cancel_flow_runs(flow_runs, server.api_url if server else None,
                                                f"stopped by {signal.Signals(code - 128).name}")
         typer.echo(f"interrupted ({signal.Signals(code - 128).name}): {cancelled} flow run(s) cancelled; {saved}",
                    err=True)
@@ -186,10 +184,12 @@ def run(
             run_dir = check_run_dir(cfg, name, resume)  # fail fast, before Prefect or MLflow start
             typer.echo(f"run: {run_dir.path}")
             from flows.pipeline import grpo_pipeline
+            from grpo.pipeline.run_context import RunContext
 
             _log_to_file(run_dir.path / "run.log")
+            context = RunContext()  # collects the flow runs to cancel when stopped; the flow finds it by run dir
             with _stoppable(f"checkpoints and metrics so far are in {run_dir.path}; continue with --resume "
-                            f"--run-name {name}"):
+                            f"--run-name {name}", context.flow_runs), context.registered(run_dir.path):
                 summary = grpo_pipeline(config=cfg, run_name=name, resume=resume)
     except GRPOPlatformError as err:
         _fail(str(err))
@@ -218,7 +218,7 @@ def _mlflow_link(cfg, run_id: str | None) -> str | None:
         return None
     from mlflow import MlflowClient
 
-    from grpo.pipeline.tracking import mlflow_ui_url, resolve_tracking_uri
+    from grpo.tracking.store import mlflow_ui_url, resolve_tracking_uri
 
     uri = resolve_tracking_uri(cfg.tracking.tracking_uri, Path.cwd())
     try:
@@ -270,11 +270,15 @@ def sweep(
         from flows.sweep import grpo_sweep
         from grpo.app.sweep_dashboard import add_comparison_dashboard
         from grpo.console import quiet_library_noise
-        from grpo.pipeline.sweep import SweepError
+        from grpo.pipeline.run_context import RunContext
+        from grpo.pipeline.sweep import SweepError, default_sweep_name
 
         quiet_library_noise()  # also for what the sweep does itself: best model, dashboard (artifact downloads)
+        name = name or default_sweep_name(cfg)  # the sweep's directory: where the flow finds this command's context
+        context = RunContext()  # collects the sweep's and its trials' flow runs, to cancel when stopped
         try:
-            with _stoppable(f"finished trials are in {Path(cfg.output_dir)}"):
+            with _stoppable(f"finished trials are in {Path(cfg.output_dir)}", context.flow_runs), \
+                    context.registered(Path(cfg.output_dir) / name):
                 try:
                     result = grpo_sweep(config=cfg, space=space_data, max_concurrency=max_concurrency, metric=metric,
                                         direction=direction, sweep_name=name, use_deployment=deployment,
@@ -406,7 +410,7 @@ def dashboard(
 ) -> None:
     """Write an HTML dashboard comparing the runs of an MLflow experiment or sweep (rewards, eval, final metrics)."""
     from grpo.console import quiet_library_noise
-    from grpo.pipeline.tracking import resolve_tracking_uri
+    from grpo.tracking.store import resolve_tracking_uri
 
     quiet_library_noise()  # no "Downloading artifacts" bar for a sweep's importances
     uri = resolve_tracking_uri(tracking_uri, Path.cwd())

@@ -4,7 +4,7 @@ open an experiment on its runs ("Model training") view.
 MLflow 3.17's UI chooses an experiment's view from the link's ``workflowType`` or, without one, from what the
 browser chose last (localStorage ``mlflow.workflowType_v1``), and a browser that never chose opens the GenAI overview:
 every experiment reached from MLflow's own experiment list did. The platform's links carry the parameter
-(:func:`grpo.pipeline.tracking.mlflow_ui_url`); this app also makes "Model training" the default of a browser that has
+(:func:`grpo.tracking.store.mlflow_ui_url`); this app also makes "Model training" the default of a browser that has
 not chosen yet, by adding one line of script to the page MLflow serves. A person's own choice in the sidebar is kept.
 MLflow's ``mlflow.app`` entry-point group is how the server loads it (``pyproject.toml``).
 """

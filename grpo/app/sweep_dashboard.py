@@ -34,7 +34,7 @@ def add_comparison_dashboard(config: ExperimentConfig, result: dict[str, Any],
 
     from dashboards.comparison import build_dashboard, log_dashboard
     from grpo.pipeline.sweep import write_result
-    from grpo.pipeline.tracking import resolve_tracking_uri
+    from grpo.tracking.store import resolve_tracking_uri
 
     uri = resolve_tracking_uri(config.tracking.tracking_uri, Path.cwd())
     out = Path(result["sweep_dir"]) / "dashboard.html"

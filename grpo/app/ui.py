@@ -15,7 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from grpo.pipeline.tracking import resolve_tracking_uri
+from grpo.tracking.store import resolve_tracking_uri
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:

@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from grpo.config import ExperimentConfig
-from grpo.training.policy import cache_root
+from grpo.paths import cache_root
 
 # The modules whose source is part of each stage's key (imported lazily: grpo.pipeline.stages imports this module).
 PREP_CODE = ("grpo.pipeline.prep", "grpo.tasks", "grpo.pipeline.stages")

@@ -11,7 +11,8 @@ from typing import Any
 from grpo.config import ExperimentConfig
 from grpo.pipeline import stages
 from grpo.pipeline.recipe import run_recipe
-from grpo.pipeline.tracking import MlflowCallback, MlflowTracker
+from grpo.pipeline.run_context import RunContext
+from grpo.tracking.tracker import MlflowTracker
 from grpo.runs import RunDir
 
 __all__ = ["LocalStages", "run_experiment"]
@@ -19,9 +20,6 @@ __all__ = ["LocalStages", "run_experiment"]
 
 class LocalStages:
     """Each stage as a direct call into :mod:`grpo.pipeline.stages` (prep and plan through their content-addressed caches)."""
-
-    def __init__(self, callbacks: Sequence[Any] = ()) -> None:
-        self.callbacks = list(callbacks)
 
     def started(self, run: RunDir, tracker: MlflowTracker | None) -> None:
         pass
@@ -36,8 +34,8 @@ class LocalStages:
         return stages.evaluate_model(cfg, model, data_dir, out_file)
 
     def train(self, cfg: ExperimentConfig, run: RunDir, data_dir: str, plan_path: str, resume: bool,
-              tracker: MlflowTracker | None, log: Callable[[str], None]) -> dict[str, Any]:
-        callbacks = [*self.callbacks, *([MlflowCallback(tracker)] if tracker is not None else [])]
+              context: RunContext, log: Callable[[str], None]) -> dict[str, Any]:
+        callbacks = [*context.callbacks, *context.tracking_callbacks()]
         return stages.train_stage(cfg, run, data_dir, plan_path, resume, callbacks=callbacks, log=log)
 
     def finished(self, summary: dict[str, Any]) -> None:
@@ -46,5 +44,6 @@ class LocalStages:
 
 def run_experiment(cfg: ExperimentConfig, run: RunDir, resume: bool = False, log: Callable[[str], None] = print,
                    callbacks: Sequence[Any] = ()) -> dict[str, Any] | None:
-    """Run every stage into ``run`` and return the summary (rank 0; other ranks return None)."""
-    return run_recipe(cfg, run, LocalStages(callbacks), resume=resume, log=log)
+    """Run every stage into ``run`` and return the summary (rank 0; other ranks return None); ``callbacks`` are
+    extra trainer callbacks."""
+    return run_recipe(cfg, run, LocalStages(), context=RunContext(callbacks=list(callbacks)), resume=resume, log=log)

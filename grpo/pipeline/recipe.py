@@ -4,7 +4,9 @@ one MLflow run. Read it top to bottom.
 Every path runs this function with a different :class:`StageRunner`: ``grpo run`` and the Prefect UI run each stage
 as a named Prefect subflow with its caching, retries and artifacts (``flows/pipeline.py``); ``torchrun`` /
 ``accelerate launch`` ranks, tests and benchmarks call the stages directly (:class:`grpo.pipeline.experiment.LocalStages`).
-So the run directory, ``summary.json`` and the MLflow run are the same on every path.
+So the run directory, ``summary.json`` and the MLflow run are the same on every path. The caller passes the run's
+live objects (extra trainer callbacks, the flow runs it started) in a :class:`~grpo.pipeline.run_context.RunContext`;
+the recipe puts the MLflow tracker it starts there for the stages.
 
 Under a multi-process launch every rank trains; rank 0 alone prepares data, plans, evaluates, tracks and writes the
 summary, and gives the other ranks what they need (:func:`grpo.distributed.decide_on_main`).
@@ -20,7 +22,7 @@ from grpo import distributed
 from grpo.config import ExperimentConfig
 from grpo.console import quiet_library_noise
 from grpo.errors import DataError
-from grpo.pipeline.run_tracking import (
+from grpo.tracking.run_tracking import (
     end_status,
     eval_metrics,
     log_numbers,
@@ -29,8 +31,9 @@ from grpo.pipeline.run_tracking import (
     log_run_artifacts,
     start_run_tracking,
 )
+from grpo.pipeline.run_context import RunContext
 from grpo.pipeline.stages import plan_summary, prep_summary
-from grpo.pipeline.tracking import MlflowTracker
+from grpo.tracking.tracker import MlflowTracker
 from grpo.runs import RunDir
 
 Log = Callable[[str], None]
@@ -52,19 +55,22 @@ class StageRunner(Protocol):
         """Accuracy and pass@k of ``model`` (``"policy"`` or a trained model's directory), written to ``out_file``."""
 
     def train(self, cfg: ExperimentConfig, run: RunDir, data_dir: str, plan_path: str, resume: bool,
-              tracker: MlflowTracker | None, log: Log) -> dict[str, Any]:
-        """GRPO training on every rank: ``steps``, ``seconds``, ``resumed_from``, ``metric_names``,
-        ``reward_curve``, ``model_dir``, ``policy_source``."""
+              context: RunContext, log: Log) -> dict[str, Any]:
+        """GRPO training on every rank, with the context's trainer callbacks and its tracker's: ``steps``,
+        ``seconds``, ``resumed_from``, ``metric_names``, ``reward_curve``, ``model_dir``, ``policy_source``."""
 
     def finished(self, summary: dict[str, Any]) -> None:
         """The run finished with ``summary`` (rank 0)."""
 
 
-def run_recipe(cfg: ExperimentConfig, run: RunDir, stages: StageRunner, *, resume: bool = False, log: Log = print,
-               tags: Mapping[str, Any] | None = None, summary_extra: Mapping[str, Any] | None = None
-               ) -> dict[str, Any] | None:
-    """Run every stage into ``run``; returns the summary (also ``summary.json``) on rank 0, None on the others."""
+def run_recipe(cfg: ExperimentConfig, run: RunDir, stages: StageRunner, *, context: RunContext | None = None,
+               resume: bool = False, log: Log = print, tags: Mapping[str, Any] | None = None,
+               summary_extra: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """Run every stage into ``run``; returns the summary (also ``summary.json``) on rank 0, None on the others.
+    ``context``: the caller's (see :class:`~grpo.pipeline.run_context.RunContext`); its ``tracker`` is this run's
+    while the recipe runs."""
     quiet_library_noise()
+    context = context if context is not None else RunContext()
     started = time.perf_counter()
     main = distributed.is_main_process()
     if not main:
@@ -74,22 +80,25 @@ def run_recipe(cfg: ExperimentConfig, run: RunDir, stages: StageRunner, *, resum
         tracker = start_run_tracking(cfg, run, tags={"grpo.world_size": str(distributed.launched_world_size()),
                                                      **(tags or {})})
         stages.started(run, tracker)
+    context.tracker = tracker
     finished, error, was_finished = False, None, resume and run.summary_file.is_file()
     try:
-        summary = _stages(cfg, run, stages, resume, log, tracker, started, summary_extra or {})
+        summary = _stages(cfg, run, stages, resume, log, context, started, summary_extra or {})
         finished = True
         return summary
     except BaseException as err:
         error = err
         raise
     finally:
+        context.tracker = None
         if tracker is not None:
             tracker.close(status=end_status(finished, error, was_finished))
 
 
-def _stages(cfg: ExperimentConfig, run: RunDir, stages: StageRunner, resume: bool, log: Log,
-            tracker: MlflowTracker | None, started: float, summary_extra: Mapping[str, Any]) -> dict[str, Any] | None:
+def _stages(cfg: ExperimentConfig, run: RunDir, stages: StageRunner, resume: bool, log: Log, context: RunContext,
+            started: float, summary_extra: Mapping[str, Any]) -> dict[str, Any] | None:
     main = distributed.is_main_process()
+    tracker = context.tracker
 
     # 1. Prep: validated Parquet splits and a quarantine, cached on the data config and source contents.
     prep = distributed.decide_on_main(lambda: _checked_prep(stages.prep(cfg), run, resume))
@@ -114,7 +123,7 @@ def _stages(cfg: ExperimentConfig, run: RunDir, stages: StageRunner, resume: boo
         log(f"eval before: accuracy {before['accuracy']:.3f}{_env_line(before)}")
 
     # 4. GRPO on every rank, resuming from the last checkpoint when there is one.
-    trained = stages.train(cfg, run, data_dir, plan["plan_path"], resume, tracker, log)
+    trained = stages.train(cfg, run, data_dir, plan["plan_path"], resume, context, log)
     if not main:
         return None
 

@@ -131,21 +131,6 @@ def eval_stage(cfg: ExperimentConfig, policy: Policy, data_dir: Path, out_file: 
     return record
 
 
-# Extra trainer callbacks for one run directory, added by whoever starts that run in this process: a sweep's pruning
-# hook (grpo/pipeline/sweep.py). Keyed by the run directory, so they reach the trial's training through the Prefect
-# subflows and threads between the sweep and the train stage, whose signatures stay as they are.
-_RUN_CALLBACKS: dict[str, list[Any]] = {}
-
-
-def add_run_callback(run_dir: str | Path, callback: Any) -> None:
-    """Train the run in ``run_dir`` (started later in this process) with ``callback`` too."""
-    _RUN_CALLBACKS.setdefault(str(Path(run_dir).resolve()), []).append(callback)
-
-
-def remove_run_callbacks(run_dir: str | Path) -> None:
-    _RUN_CALLBACKS.pop(str(Path(run_dir).resolve()), None)
-
-
 def train_stage(cfg: ExperimentConfig, run: RunDir, data_dir: str | Path, plan_path: str | Path, resume: bool,
                 callbacks: Sequence[Any] = (), log: Callable[[str], None] = print) -> dict[str, Any]:
     """GRPO into ``run`` on every rank, from the last checkpoint when there is one (a retried attempt resumes).
@@ -157,5 +142,5 @@ def train_stage(cfg: ExperimentConfig, run: RunDir, data_dir: str | Path, plan_p
     if not main:
         policy = policy_stage(cfg, Path(data_dir), log=log)
     result = train_grpo(cfg, policy, load_prepared(Path(data_dir))["train"], run, resume, plan_path=Path(plan_path),
-                        callbacks=[*callbacks, *_RUN_CALLBACKS.get(str(Path(run.path).resolve()), ())], echo=log)
+                        callbacks=list(callbacks), echo=log)
     return {**dataclasses.asdict(result), "model_dir": str(run.model_dir), "policy_source": policy.source}

@@ -22,8 +22,8 @@ run. Read it top to bottom.
    thread (prepared data, sampler plans and the warm-started tiny model built first, in the sweep's thread), or
    ``flows.sweep.DeploymentTrials`` as a flow run of a Prefect deployment. With a pruner, an in-process trial's
    training reports the pruner's metric (default ``reward``) at every logging step
-   (:class:`grpo.training.pruning.ReportIntermediate`, added to that run's trainer through
-   :func:`grpo.pipeline.stages.add_run_callback`); when ``trial.should_prune()``, training stops at the end of that
+   (:class:`grpo.training.pruning.ReportIntermediate`, a trainer callback in the trial's own
+   :class:`~grpo.pipeline.run_context.RunContext`); when ``trial.should_prune()``, training stops at the end of that
    step, the pipeline finishes as usual (model, eval, summary), the trial is told PRUNED, and its MLflow run
    (FINISHED) is tagged ``grpo.sweep.pruned=true`` and ``grpo.sweep.pruned_at_step``. Trials of a deployment are
    sampled and told like in-process ones but NOT pruned: they train in the worker's process;
@@ -44,9 +44,11 @@ It raises :class:`SweepError` (after publishing the results) only when every tri
 Every path runs this function: ``grpo sweep`` and the Prefect UI run it in the flow ``grpo-sweep``
 (``flows/sweep.py``: each trial a ``sweep-trial`` task whose pipeline is a subflow, or a deployment's flow run;
 Prefect artifacts), code without Prefect with ``InProcessTrials()`` (the recipe with
-:class:`grpo.pipeline.experiment.LocalStages`). The MLflow side that the tracking modules do not offer yet, the
-trials' own runs and the model registry, comes in as ``trial_runs`` (:class:`TrialRuns`); without it the trials'
-runs stay as their pipelines closed them and nothing is registered.
+:class:`grpo.pipeline.experiment.LocalStages`). The caller's :class:`~grpo.pipeline.run_context.RunContext`
+(``context``) gives each trial its own context sharing the caller's list of started flow runs (``grpo sweep`` cancels
+them when stopped). The MLflow side beyond the parent run, the trials' own runs and the model registry, comes in as
+``trial_runs`` (:class:`TrialRuns`; the flow passes :class:`grpo.tracking.sweep_runs.MlflowTrialRuns`); without it
+the trials' runs stay as their pipelines closed them and nothing is registered.
 
 Own code, and why: the ask/tell loop that bounds concurrency with a thread pool, and the parent run's contents;
 sampling, pruning decisions, the study's state and storage, the best trial and importances are Optuna's.
@@ -71,15 +73,17 @@ from grpo.config import ExperimentConfig, to_yaml
 from grpo.errors import GRPOPlatformError, RunDirectoryError
 from grpo.pipeline import stages
 from grpo.pipeline.cache_dirs import plan_dir_for
-from grpo.pipeline.metric_keys import read_run_metric
-from grpo.pipeline.run_tracking import end_status
+from grpo.pipeline.run_context import RunContext
 from grpo.pipeline.sweep_space import Space, validate_space
-from grpo.pipeline.tracking import MlflowTracker, tracker_from_config, use_tracking_uri
 from grpo.runs import open_run_dir, validate_run_name
+from grpo.tracking.metric_keys import read_run_metric
+from grpo.tracking.model_logging import use_tracking_uri
+from grpo.tracking.run_tracking import end_status
+from grpo.tracking.sweep_runs import BEST_ALIAS, ParentRun
+from grpo.tracking.tracker import MlflowTracker, tracker_from_config
 from grpo.training.graceful_stop import clear_stop_request, request_stop
 from grpo.training.pruning import ReportIntermediate
 
-BEST_ALIAS = "best"
 DIRECTIONS = ("maximize", "minimize")
 STATUSES = ("completed", "pruned", "failed")
 
@@ -99,15 +103,6 @@ class StudyError(GRPOPlatformError, ValueError):
 # ---------------------------------------------------------------- records
 
 
-@dataclass(frozen=True)
-class ParentRun:
-    """The sweep's MLflow parent run: where its trials' runs nest and are found."""
-
-    tracking_uri: str
-    experiment_id: str | None
-    run_id: str
-
-
 @dataclass
 class Sweep:
     """One invocation of the sweep: its name and directory, the study it adds to, its parent run when tracked."""
@@ -124,6 +119,7 @@ class Sweep:
     first_trial: int  # trials the study had before this invocation
     tracker: MlflowTracker | None = None
     parent: ParentRun | None = None
+    context: RunContext = field(default_factory=RunContext, repr=False)  # the caller's: its trials share its flow runs
 
     @property
     def pruner(self) -> str:
@@ -143,6 +139,7 @@ class Trial:
     tags: dict[str, str] = field(default_factory=dict)  # its MLflow run's: nesting under the parent, its number
     parent: ParentRun | None = None
     pruning: ReportIntermediate | None = field(default=None, repr=False)
+    context: RunContext = field(default_factory=RunContext, repr=False)  # its own: the pruning hook, the flow runs
 
 
 @dataclass(frozen=True)
@@ -192,9 +189,9 @@ class TrialRunner(Protocol):
 class TrialRuns(Protocol):
     """The MLflow side of the sweep beyond its parent run: the trials' own runs and the model registry."""
 
-    def find(self, trial: Trial, local: bool) -> str | None:
-        """The trial's MLflow run id when its summary has none (it failed): from its run directory (``local``), else
-        by its sweep tags."""
+    def find(self, number: int, run_dir: Path | None) -> str | None:
+        """Trial ``number``'s MLflow run id when its summary has none (it failed): from its run directory
+        (``run_dir``, given for a trial run in this process), else by its sweep tags."""
 
     def mark_failed(self, run_id: str, error: str) -> None:
         """FAILED, with the error as tag ``grpo.sweep.error`` (a pipeline closes its run FINISHED even when a stage
@@ -203,10 +200,10 @@ class TrialRuns(Protocol):
     def mark_pruned(self, run_id: str, step: int) -> None:
         """Tags ``grpo.sweep.pruned=true`` and ``grpo.sweep.pruned_at_step`` on the (FINISHED) run."""
 
-    def register(self, best: dict[str, Any], model_name: str, sweep: Sweep) -> dict[str, Any]:
-        """The best trial's logged model as a new version of ``model_name`` with alias :data:`BEST_ALIAS`, unless the
-        alias already names a version of that run; ``name``, ``version``, ``alias``, ``source``, ``run_id``,
-        ``unchanged``."""
+    def register(self, run_id: str, model_name: str, tags: Mapping[str, str]) -> dict[str, Any]:
+        """The model run ``run_id`` logged as a new version of ``model_name`` (with ``tags``) with alias
+        :data:`BEST_ALIAS`, unless the alias already names a version of that run; ``name``, ``version``, ``alias``,
+        ``source``, ``run_id``, ``unchanged``."""
 
 
 class SweepReport(Protocol):
@@ -228,10 +225,11 @@ def run_sweep(config: ExperimentConfig, space: Mapping[str, Any], trials: TrialR
               registered_model_name: str | None = None,
               trial_runs: Callable[[ParentRun], TrialRuns] | None = None, report: SweepReport | None = None,
               log: logging.Logger | logging.LoggerAdapter | None = None, tags: Mapping[str, Any] | None = None,
-              result_extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+              result_extra: Mapping[str, Any] | None = None, context: RunContext | None = None) -> dict[str, Any]:
     """Run ``n_trials`` new trials of an Optuna study over ``space`` on top of ``config``; returns the result (also
     ``sweep.json``). ``deployment``: the Prefect deployment this sweep runs as (its runs continue one study); ``tags``
-    go on the parent run, ``result_extra`` into the result."""
+    go on the parent run, ``result_extra`` into the result; ``context``: the caller's (each trial gets its own, sharing
+    its list of started flow runs)."""
     log = log or logging.getLogger(__name__)
 
     # 1. Everything that can be wrong with the request, before anything is created.
@@ -240,6 +238,7 @@ def run_sweep(config: ExperimentConfig, space: Mapping[str, Any], trials: TrialR
     # 2. The study (new or continued) and the sweep directory.
     sweep = _open(config, space, checked, name, sweep_dir, study_name or default_study_name(config, name, deployment),
                   storage or default_storage(config), metric, direction, max_concurrency, trials, log)
+    sweep.context = context if context is not None else RunContext()
     clear_stop_request()  # an earlier sweep of this process (a test session) may have been interrupted
 
     # 3. The MLflow parent run the trials nest under.
@@ -278,7 +277,7 @@ def _checked(config: ExperimentConfig, space: Mapping[str, Any], name: str | Non
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency: must be >= 1 (got {max_concurrency})")
     checked = validate_space(config, space)
-    name = name or f"{config.name}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = name or default_sweep_name(config)
     try:
         validate_run_name(name)
     except RunDirectoryError:
@@ -372,7 +371,6 @@ def _run_trials(sweep: Sweep, trials: TrialRunner, runs: TrialRuns | None, log) 
                         "step and stop, waiting trials do not start")
             request_stop()
             for trial in running.values():
-                stages.remove_run_callbacks(trial.run_dir)
                 with contextlib.suppress(Exception):
                     sweep.study.tell(trial.study_trial, state=TrialState.FAIL)  # not left RUNNING in the stored study
             raise
@@ -388,15 +386,15 @@ def _ask(sweep: Sweep) -> Trial:
 
 
 def _configure(sweep: Sweep, trial: Trial, trials: TrialRunner) -> None:
-    """The trial's suggested values as a config in the sweep directory, its inputs built, its pruning hook and its
-    MLflow run's tags."""
+    """The trial's suggested values as a config in the sweep directory, its inputs built, its context (with its
+    pruning hook) and its MLflow run's tags."""
     trial.overrides = sweep.space.suggest(trial.study_trial)
     trial.overrides, cfg = sweep.space.config(trial.overrides, f"trial {trial.number}")
     trial.config = cfg.model_copy(update={"output_dir": str(sweep.dir)})
     trials.prepare(trial.config)
     if sweep.space.pruner_spec and trials.in_process:
         trial.pruning = _pruning_hook(trial.study_trial, sweep.space.pruner_spec, sweep.direction)
-        stages.add_run_callback(trial.run_dir, trial.pruning)
+    trial.context = sweep.context.for_trial([trial.pruning] if trial.pruning is not None else [])
     trial.tags = {"grpo.run_type": "trial", "grpo.sweep": sweep.name, "grpo.sweep.trial": str(trial.number),
                   "grpo.sweep.study": sweep.study_name,
                   "grpo.sweep.overrides": json.dumps(trial.overrides, default=str)}
@@ -423,7 +421,7 @@ def _run_trial(trial: Trial, trials: TrialRunner, runs: TrialRuns | None, log) -
     except Exception as err:
         if runs is not None:
             try:
-                run_id = runs.find(trial, trials.in_process)
+                run_id = runs.find(trial.number, trial.run_dir if trials.in_process else None)
                 if run_id is not None:
                     runs.mark_failed(run_id, f"{type(err).__name__}: {err}")
             except Exception as mark_err:  # the trial's failure is what matters; it is in the results either way
@@ -436,11 +434,10 @@ def _tell(sweep: Sweep, trial: Trial, status: str, summary: dict[str, Any], erro
     """Close one trial: its state in the study, its MLflow run's tags, its row in the results."""
     from optuna.trial import TrialState
 
-    stages.remove_run_callbacks(trial.run_dir)
     run_id = summary.get("mlflow_run_id")
     if run_id is None and runs is not None:
         with contextlib.suppress(Exception):
-            run_id = runs.find(trial, trials.in_process)
+            run_id = runs.find(trial.number, trial.run_dir if trials.in_process else None)
     client = sweep.tracker.client if sweep.tracker is not None else None
     value = _metric_value(summary, sweep.metric, client, run_id) if status == "completed" else None
     pruned_at = trial.pruning.stopped_at if trial.pruning is not None else None
@@ -511,8 +508,11 @@ def _register_best(sweep: Sweep, config: ExperimentConfig, best: dict[str, Any] 
     if runs is None:
         log.info("no MLflow registry given to the sweep: nothing registered")
         return None
+    tags = {"grpo.sweep": best.get("sweep") or sweep.name, "grpo.sweep.parent_run_id": sweep.parent.run_id,
+            "grpo.sweep.study": sweep.study_name, "grpo.sweep.trial": str(best["trial"]),
+            "grpo.sweep.metric": sweep.metric, "grpo.sweep.metric_value": str(best["metric_value"])}
     try:
-        return runs.register(best, model_name, sweep)
+        return runs.register(best["mlflow_run_id"], model_name, tags)
     except Exception as err:
         log.warning(f"could not register the best trial's model: {type(err).__name__}: {err}")
         return None
@@ -558,6 +558,11 @@ def write_result(result: dict[str, Any]) -> None:
 def default_storage(config: ExperimentConfig) -> str:
     """``sqlite:///<output_dir>/optuna.db``: next to the sweeps of that output directory, one file for its studies."""
     return f"sqlite:///{Path(config.output_dir).resolve() / 'optuna.db'}"
+
+
+def default_sweep_name(config: ExperimentConfig) -> str:
+    """``<config name>-sweep-<local time>``: the sweep's name (and directory) when none is given."""
+    return f"{config.name}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def default_study_name(config: ExperimentConfig, sweep_name: str, deployment: str | None) -> str:
@@ -695,12 +700,13 @@ LOCAL_INPUTS = InputStages(prep=stages.cached_prep, plan=stages.cached_plan, pol
 
 
 def run_trial_pipeline(trial: Trial) -> dict[str, Any]:
-    """The trial's pipeline as plain calls: the recipe with ``LocalStages`` into its run directory, its MLflow run
-    tagged as the sweep's trial."""
+    """The trial's pipeline as plain calls: the recipe with ``LocalStages`` and the trial's context into its run
+    directory, its MLflow run tagged as the sweep's trial."""
     from grpo.pipeline.experiment import LocalStages
     from grpo.pipeline.recipe import run_recipe
 
-    return run_recipe(trial.config, open_run_dir(trial.config, trial.run_name, False), LocalStages(), tags=trial.tags)
+    return run_recipe(trial.config, open_run_dir(trial.config, trial.run_name, False), LocalStages(),
+                      context=trial.context, tags=trial.tags)
 
 
 class InProcessTrials:
@@ -748,5 +754,5 @@ class InProcessTrials:
 
 __all__ = ["BEST_ALIAS", "DIRECTIONS", "InProcessTrials", "InputStages", "ParentRun", "StudyError", "Sweep",
            "SweepError", "SweepReport", "Trial", "TrialResult", "TrialRunner", "TrialRuns", "default_storage",
-           "default_study_name", "open_study", "param_importances", "results_table", "run_sweep",
+           "default_study_name", "default_sweep_name", "open_study", "param_importances", "results_table", "run_sweep",
            "run_trial_pipeline", "shown_storage", "write_result"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 import threading
@@ -24,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError
+from grpo.paths import cache_root
 from grpo.tasks import calculator_demonstrations, flawed_addition_demonstrations, guess_digit_demonstrations
 from grpo.training.graceful_stop import stop_requested
 from grpo.training.prompts import prompt_texts
@@ -31,11 +31,6 @@ from grpo.training.tiny_model import alphabet_of, build_char_tokenizer, build_ti
 from grpo.training.warm_start import supervised_warm_start
 
 CACHE_VERSION = 1  # bump when the tiny model/tokenizer/warm-start code changes meaning
-
-
-def cache_root() -> Path:
-    """``$GRPO_CACHE_DIR`` or ``.cache/grpo`` in the working directory (the project folder)."""
-    return Path(os.environ.get("GRPO_CACHE_DIR", ".cache/grpo"))
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """A disk spool with a background sender: append JSON lines now, deliver them later, exactly once, in order.
 
-Generic (no MLflow in here; :class:`grpo.pipeline.tracking.MlflowTracker` is its user). Why hand-written: MLflow's
-own async logging keeps the queue in memory and retries for minutes inside the training process; this keeps every
-point on disk until the backend acknowledged it, so an outage or a crash loses nothing and blocks nothing.
+Generic (no MLflow in here; the tracker's batched logging, :mod:`grpo.tracking.batched_logging`, is its user). Why
+hand-written: MLflow's own async logging keeps the queue in memory and retries for minutes inside the training
+process; this keeps every point on disk until the backend acknowledged it, so an outage or a crash loses nothing and
+blocks nothing.
 
 * ``append(record)`` writes one line ``json.dumps(record)`` to ``<directory>/metrics.jsonl`` and returns.
 * A thread reads the lines between the *sent cursor* (a byte offset at a line boundary, persisted in

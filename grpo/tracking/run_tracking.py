@@ -1,6 +1,6 @@
 """What one experiment run records in MLflow, stage by stage: shared by the Prefect pipeline (``flows/pipeline.py``)
 and the multi-process recipe (``grpo/pipeline/experiment.py`` under torchrun / accelerate launch), so both log the same
-names: every trainer metric as ``train/<TRL name>`` (through :class:`grpo.pipeline.tracking.MlflowCallback`),
+names: every trainer metric as ``train/<TRL name>`` (through :class:`grpo.tracking.tracker.MlflowCallback`),
 ``eval/accuracy`` and ``eval/pass_at_<k>`` at step 0 (before training) and at the last step (after), the prep and plan
 figures as params (``prep.rows_valid``, ``plan.generation_rounds``, ...), and the run's artifacts and model.
 
@@ -19,8 +19,10 @@ from grpo.runs import RunDir
 import yaml
 
 from grpo.formatting import human_number
-from grpo.pipeline.metric_keys import EVAL_ACCURACY, EVAL_PREFIX
-from grpo.pipeline.tracking import MlflowTracker, log_model, redact, tracker_from_config
+from grpo.tracking.metric_keys import EVAL_ACCURACY, EVAL_PREFIX
+from grpo.tracking.model_logging import log_model
+from grpo.tracking.tracker import MlflowTracker, tracker_from_config
+from grpo.tracking.values import redact
 
 
 # The packages a result depends on, recorded as ``grpo.version.<name>`` run tags (absent ones are left out).
@@ -65,7 +67,7 @@ def end_status(finished: bool, error: BaseException | None, was_finished: bool) 
 
 def log_numbers(tracker: MlflowTracker | None, metrics: Mapping[str, Any], step: int = 0) -> None:
     if tracker is not None:
-        tracker.log_metrics(metrics, step=step)  # the tracker keeps the numbers (grpo.pipeline.tracking.numeric_metrics)
+        tracker.log_metrics(metrics, step=step)  # the tracker keeps the numbers (grpo.tracking.values.numeric_metrics)
 
 
 def prep_params(stats: Mapping[str, Any]) -> dict[str, Any]:
