@@ -524,7 +524,7 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
             page.on("pageerror", lambda err: errors.append(str(err)))
             page.goto(f"{ui}/deployments/deployment/{deployment_id}/run", wait_until="networkidle")
             # the form renders once the deployment has loaded, which a busy shared server can delay
-            expect(page.locator(".schema-form-property__label")).to_have_count(21, timeout=120_000)
+            expect(page.locator(".schema-form-property__label")).to_have_count(22, timeout=120_000)
             labels = [t.removesuffix(" (Optional)") for t in
                       page.locator(".schema-form-property__label").all_inner_texts()]
             assert labels[:10] == ["Preset", "Learning rate", "Training steps",
@@ -532,8 +532,8 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
                                    "Completions per prompt (group size)", "Reward functions", "Loss type", "Seed",
                                    "MLflow run name", "Resume"]
             assert labels[10:] == ["Data", "Model", "GRPO training", "Sampling and balancing", "Async generation",
-                                   "Evaluation", "MLflow tracking", "Experiment", "More settings (key=value)",
-                                   "Whole config (advanced)", "Extra MLflow run tags"]  # sections collapsed
+                                   "Environments and tools", "Evaluation", "MLflow tracking", "Experiment",
+                                   "More settings (key=value)", "Whole config (advanced)", "Extra MLflow run tags"]  # sections collapsed
             body = page.locator("body").inner_text()
             assert 'Property is type "None"' not in body and page.get_by_role("button", name="None").count() == 0
             form_height = page.locator("form").first.bounding_box()["height"]

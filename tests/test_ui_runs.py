@@ -156,8 +156,8 @@ def _run_page(page, served) -> str:
     deployment_id = served.deployment()["id"]
     ui = served.server.url.removesuffix("/api")
     page.goto(f"{ui}/deployments/deployment/{deployment_id}/run", wait_until="networkidle")
-    # 21 labels: every section collapsed (a busy shared server may take a while to load the deployment)
-    expect(page.locator(".schema-form-property__label")).to_have_count(21, timeout=120_000)
+    # 22 labels: every section collapsed (a busy shared server may take a while to load the deployment)
+    expect(page.locator(".schema-form-property__label")).to_have_count(22, timeout=120_000)
     return deployment_id
 
 
