@@ -108,8 +108,8 @@ def _for_form(prop: dict[str, Any], path: str) -> dict[str, Any]:
     if prop.get("type") == "boolean":
         prop = {**{k: v for k, v in prop.items() if k != "type"}, "enum": [True, False]}
     text = prop.get("description", "").strip().rstrip(".")
-    values = _preset_values_text(path)
-    prop["description"] = f"`{path}`" + (f": {text}." if text else ".") + (f" Preset {values}." if values else "")
+    note = _preset_note(path)
+    prop["description"] = f"`{path}`" + (f": {text}." if text else ".") + (f" {note}" if note else "")
     return prop
 
 
@@ -144,6 +144,16 @@ def _preset_values_text(path: str) -> str:
     if len(set(shown.values())) == 1 and len(shown) > 1:
         return f"every preset: {next(iter(shown.values()))}"
     return "; ".join(f"{name}: {value}" for name, value in shown.items())
+
+
+def _preset_note(path: str) -> str:
+    """``Preset tiny: true.``, ``Presets tiny: 1e-4; tiny-calculator: 5e-4.`` or ``Every preset: true.``"""
+    shown = {name: _shown(values[path]) for name, values in _preset_values().items() if path in values}
+    if not shown:
+        return ""
+    if len(shown) > 1 and len(set(shown.values())) == 1:
+        return f"Every preset: {next(iter(shown.values()))}."
+    return ("Preset " if len(shown) == 1 else "Presets ") + "; ".join(f"{n}: {v}" for n, v in shown.items()) + "."
 
 
 def _count_titles(properties: dict[str, Any], seen: dict[str, int]) -> None:

@@ -210,7 +210,7 @@ def test_a_custom_run_with_nothing_changed_trains_the_preset_to_the_end(served, 
     for title in SECTION_TITLES:
         open_section(page, title)
     enabled = form_property(page, "Enabled (Evaluation)")
-    assert "Preset tiny: true" in enabled.inner_text() and enabled.locator("[role=switch]").count() == 0
+    assert "Every preset: true." in enabled.inner_text() and enabled.locator("[role=switch]").count() == 0
     enabled.scroll_into_view_if_needed()
     page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-default-sections.png"))
     created = submit(page, served.server, deployment_id, known)
