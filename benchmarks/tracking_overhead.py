@@ -35,6 +35,7 @@ of 4 steps (warm start 10 steps, 16 eval prompts).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import cProfile
 import io
@@ -46,7 +47,6 @@ import sys
 import tempfile
 import threading
 import time
-import contextlib
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,12 +99,12 @@ def _tracking_overhead(root: Path, opts: Settings) -> dict:
 
     from grpo.config import load_config
     from grpo.pipeline.data import load_data
-    from grpo.training.tiny_model import alphabet_of
-    from grpo.training.policy import Policy, load_policy, tiny_cache_key
-    from grpo.tracking.run_tracking import start_run_tracking
     from grpo.runs import open_run_dir
+    from grpo.tracking.run_tracking import start_run_tracking
     from grpo.tracking.tracker import MlflowCallback, MlflowTracker
     from grpo.tracking.values import sanitize_metric_key
+    from grpo.training.policy import Policy, load_policy, tiny_cache_key
+    from grpo.training.tiny_model import alphabet_of
     from grpo.training.train import train_grpo
 
     out = root / "train-runs"
@@ -394,8 +394,8 @@ def _pipeline_overhead(root: Path, opts: Settings) -> dict:
     import grpo.tracking.run_tracking
     from grpo.config import load_config
     from grpo.pipeline.experiment import run_experiment
-    from grpo.runs import open_run_dir
     from grpo.pipeline.stages import policy_stage, prep_stage
+    from grpo.runs import open_run_dir
     from grpo.tracking.tracker import MlflowTracker
 
     micro = REPO / "tests" / "micro.yaml"

@@ -18,22 +18,52 @@ from prefect.context import get_run_context
 from prefect.states import Cancelled, Failed
 
 import grpo.pipeline.stages
-from flows.stages import (PrefectProgress, dataset_summary, dataset_table, eval_flow, plan_flow, plan_markdown, prep_flow,
-                          summarize_for_ui)
-from flows.run_form import (UNSET, AsyncSettings, BatchSizeField, DataSettings, EnvironmentSettings,
-                            EvaluationSettings, ExperimentSettings, GRPOSettings, LearningRateField, LossTypeField, MaxStepsField, ModelSettings,
-                            NumGenerationsField, Overrides, PresetChoice, Resume, RewardFuncsField, RunName,
-                            SamplingSettings, SeedField, TrackingSettings, TrackingTags, WholeConfig, form_settings,
-                            given)
+from flows.run_form import (
+    UNSET,
+    AsyncSettings,
+    BatchSizeField,
+    DataSettings,
+    EnvironmentSettings,
+    EvaluationSettings,
+    ExperimentSettings,
+    GRPOSettings,
+    LearningRateField,
+    LossTypeField,
+    MaxStepsField,
+    ModelSettings,
+    NumGenerationsField,
+    Overrides,
+    PresetChoice,
+    Resume,
+    RewardFuncsField,
+    RunName,
+    SamplingSettings,
+    SeedField,
+    TrackingSettings,
+    TrackingTags,
+    WholeConfig,
+    form_settings,
+    given,
+)
+from flows.stages import (
+    PrefectProgress,
+    dataset_summary,
+    dataset_table,
+    eval_flow,
+    plan_flow,
+    plan_markdown,
+    prep_flow,
+    summarize_for_ui,
+)
 from grpo.config import ExperimentConfig, resolve_config
 from grpo.console import quiet_library_noise
 from grpo.errors import GRPOPlatformError
 from grpo.pipeline.confine import check_config_paths
 from grpo.pipeline.recipe import run_recipe
 from grpo.pipeline.run_context import RunContext
+from grpo.runs import RunDir, open_run_dir
 from grpo.tracking.store import mlflow_ui_url
 from grpo.tracking.tracker import MlflowTracker
-from grpo.runs import RunDir, open_run_dir
 
 
 @flow(name="grpo-train", flow_run_name="train")

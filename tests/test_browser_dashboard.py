@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from dashboards.comparison import build_dashboard
-from grpo.tracking.run_tracking import eval_metrics, log_numbers, log_plan, log_prep
 from grpo.tracking.model_logging import log_model
+from grpo.tracking.run_tracking import eval_metrics, log_numbers, log_plan, log_prep
 from grpo.tracking.store import mlflow_ui_url
 from grpo.tracking.tracker import MlflowCallback, MlflowTracker
 from tests.conftest import REPO

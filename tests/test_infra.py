@@ -21,9 +21,18 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.browser import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    SCREENSHOTS,
+    SECTION_TITLES,
+    form_property,
+    open_section,
+    open_select,
+    require_chromium,
+    submit,
+)
 from tests.conftest import MICRO, REPO
-from tests.browser import (CHROMIUM, CHROMIUM_ARGS, SCREENSHOTS, SECTION_TITLES, form_property, open_section,
-                           open_select, require_chromium, submit)
 from tests.servers import BIN, free_port
 
 INFRA = REPO / "infra"
@@ -53,8 +62,8 @@ def flow_params(entrypoint: str) -> list[str]:
 def test_prefect_yaml_deployments_point_at_real_flows_pools_and_presets():
     from prefect.cli.deploy._models import PrefectYamlModel
 
-    from grpo.config import load_config, presets
     from grpo.app.serve import SWEEP_PARAMETERS
+    from grpo.config import load_config, presets
     from grpo.pipeline.sweep_space import validate_space
 
     data = prefect_yaml()

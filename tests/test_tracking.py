@@ -203,6 +203,7 @@ def test_resume_same_run_no_gaps_no_duplicates(mlflow_server, make_tracker, tmp_
 
 def test_log_model_transformers_flavour_offline(mlflow_server, make_tracker, tmp_path):
     import mlflow.transformers
+
     from grpo.training.tiny_model import build_char_tokenizer, build_tiny_qwen2
 
     tokenizer = build_char_tokenizer("0123456789+= ")

@@ -248,8 +248,8 @@ def sweep(
     try:
         cfg = _load(config, set_, reward_module, env_module)
         from grpo.errors import RunDirectoryError
-        from grpo.runs import validate_run_name
         from grpo.pipeline.sweep_space import load_space, validate_space
+        from grpo.runs import validate_run_name
 
         if direction not in ("maximize", "minimize"):
             _fail(f"--direction {direction!r}: use maximize or minimize")

@@ -20,7 +20,6 @@ from grpo.config.sections import ExperimentConfig
 from grpo.errors import ConfigError
 
 
-
 def _format_validation_error(err: ValidationError) -> str:
     parts = []
     for e in err.errors():

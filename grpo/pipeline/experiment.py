@@ -12,8 +12,8 @@ from grpo.config import ExperimentConfig
 from grpo.pipeline import stages
 from grpo.pipeline.recipe import run_recipe
 from grpo.pipeline.run_context import RunContext
-from grpo.tracking.tracker import MlflowTracker
 from grpo.runs import RunDir
+from grpo.tracking.tracker import MlflowTracker
 
 __all__ = ["LocalStages", "run_experiment"]
 

@@ -22,6 +22,9 @@ from grpo import distributed
 from grpo.config import ExperimentConfig
 from grpo.console import quiet_library_noise
 from grpo.errors import DataError
+from grpo.pipeline.run_context import RunContext
+from grpo.pipeline.stages import plan_summary, prep_summary
+from grpo.runs import RunDir
 from grpo.tracking.run_tracking import (
     end_status,
     eval_metrics,
@@ -31,10 +34,7 @@ from grpo.tracking.run_tracking import (
     log_run_artifacts,
     start_run_tracking,
 )
-from grpo.pipeline.run_context import RunContext
-from grpo.pipeline.stages import plan_summary, prep_summary
 from grpo.tracking.tracker import MlflowTracker
-from grpo.runs import RunDir
 
 Log = Callable[[str], None]
 

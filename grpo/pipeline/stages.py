@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from grpo import distributed
-
 from grpo.algo.plan import prompt_token_lengths
 from grpo.config import ExperimentConfig
 from grpo.pipeline.cache_dirs import locked, plan_dir_for, prep_dir_for
