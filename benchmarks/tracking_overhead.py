@@ -3,11 +3,11 @@
 1. Tracking overhead. The same short GRPO training (the ``tiny`` preset, ``BENCH_STEPS`` steps, ``logging_steps=1``
    so every step logs ~25 metrics: the worst case) with MLflow tracking on versus off (no tracker), in one process.
    Tracking on is what the pipeline and ``run_experiment`` do: the config's ``tracking`` section (MLflow, a local
-   SQLite store in a temp dir, system metrics on) through :func:`grpo.tracking.run_tracking.start_run_tracking` (params, tags),
-   and :class:`MlflowCallback` as a trainer callback. Per-step time is the training wall time / steps (everything the
-   training thread does, callbacks included, plus whatever the tracker's background threads take from it on a
-   shared CPU); TRL's own ``step_time`` metric (forward/backward of ``training_step`` only, so it does not contain
-   the callbacks) is reported next to it. Also: the cost of one ``log_metrics`` call in the training thread, and
+   SQLite store in a temp dir, system metrics on) through :func:`grpo.tracking.run_tracking.start_run_tracking`
+   (params, tags), and :class:`MlflowCallback` as a trainer callback. Per-step time is the training wall time / steps
+   (everything the training thread does, callbacks included, plus whatever the tracker's background threads take
+   from it on a shared CPU); TRL's own ``step_time`` metric (forward/backward of ``training_step`` only, so it does not
+   contain the callbacks) is reported next to it. Also: the cost of one ``log_metrics`` call in the training thread, and
    whether every point reached MLflow after ``close()`` (MLflow's metric history against ``metrics.jsonl``).
 2. Pipeline overhead (informational). The whole pipeline on ``tests/micro.yaml`` settings as ``grpo run`` runs it
    (:func:`grpo.app.cli.run` in this process: the Prefect flow ``grpo-pipeline``, ephemeral Prefect API, MLflow

@@ -1,5 +1,5 @@
-"""The pipeline flow: the recipe (:mod:`grpo.pipeline.recipe`: prep → plan → eval (before) → train → eval (after)) with each
-stage a named Prefect subflow; one Prefect flow run and one MLflow run.
+"""The pipeline flow: the recipe (:mod:`grpo.pipeline.recipe`: prep → plan → eval (before) → train → eval (after))
+with each stage a named Prefect subflow; one Prefect flow run and one MLflow run.
 
 The flow's parameters are the Prefect UI's run form (:mod:`flows.run_form`): a preset, the fields people change most,
 one collapsed group per config section. A retry of the flow run (or ``grpo run --resume``) continues the same run
@@ -235,7 +235,8 @@ def grpo_pipeline(
     logger.info(f"run directory {run.path} (resume={resume})")
 
     tags = {"prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": flow_run_name,
-            "prefect.deployment": _deployment_name(), "prefect.ui_url": _ui_url(flow_run_id), **(given(tracking_tags) or {})}
+            "prefect.deployment": _deployment_name(), "prefect.ui_url": _ui_url(flow_run_id),
+            **(given(tracking_tags) or {})}
     try:
         return run_recipe(config, run, PrefectStages(), context=context, resume=resume, log=logger.info, tags=tags,
                           summary_extra={"prefect_flow_run_id": flow_run_id})

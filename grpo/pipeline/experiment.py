@@ -1,6 +1,6 @@
-"""The recipe (:mod:`grpo.pipeline.recipe`) run in this process, stage by stage as plain calls: what every rank runs under
-``torchrun`` / ``accelerate launch``, and what tests and benchmarks run. ``grpo run`` and the Prefect UI run the
-same recipe with Prefect subflows (``flows/pipeline.py``).
+"""The recipe (:mod:`grpo.pipeline.recipe`) run in this process, stage by stage as plain calls: what every rank runs
+under ``torchrun`` / ``accelerate launch``, and what tests and benchmarks run. ``grpo run`` and the Prefect UI run
+the same recipe with Prefect subflows (``flows/pipeline.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ __all__ = ["LocalStages", "run_experiment"]
 
 
 class LocalStages:
-    """Each stage as a direct call into :mod:`grpo.pipeline.stages` (prep and plan through their content-addressed caches)."""
+    """Each stage as a direct call into :mod:`grpo.pipeline.stages` (prep and plan through their content-addressed
+    caches)."""
 
     def started(self, run: RunDir, tracker: MlflowTracker | None) -> None:
         pass
