@@ -3,11 +3,11 @@
 1. Tracking overhead. The same short GRPO training (the ``tiny`` preset, ``BENCH_STEPS`` steps, ``logging_steps=1``
    so every step logs ~25 metrics: the worst case) with MLflow tracking on versus off (no tracker), in one process.
    Tracking on is what the pipeline and ``run_experiment`` do: the config's ``tracking`` section (MLflow, a local
-   SQLite store in a temp dir, system metrics on) through :func:`grpo.tracking.run_tracking.start_run_tracking` (params, tags),
-   and :class:`MlflowCallback` as a trainer callback. Per-step time is the training wall time / steps (everything the
-   training thread does, callbacks included, plus whatever the tracker's background threads take from it on a
-   shared CPU); TRL's own ``step_time`` metric (forward/backward of ``training_step`` only, so it does not contain
-   the callbacks) is reported next to it. Also: the cost of one ``log_metrics`` call in the training thread, and
+   SQLite store in a temp dir, system metrics on) through :func:`grpo.tracking.run_tracking.start_run_tracking`
+   (params, tags), and :class:`MlflowCallback` as a trainer callback. Per-step time is the training wall time / steps
+   (everything the training thread does, callbacks included, plus whatever the tracker's background threads take
+   from it on a shared CPU); TRL's own ``step_time`` metric (forward/backward of ``training_step`` only, so it does not
+   contain the callbacks) is reported next to it. Also: the cost of one ``log_metrics`` call in the training thread, and
    whether every point reached MLflow after ``close()`` (MLflow's metric history against ``metrics.jsonl``).
 2. Pipeline overhead (informational). The whole pipeline on ``tests/micro.yaml`` settings as ``grpo run`` runs it
    (:func:`grpo.app.cli.run` in this process: the Prefect flow ``grpo-pipeline``, ephemeral Prefect API, MLflow
@@ -35,6 +35,7 @@ of 4 steps (warm start 10 steps, 16 eval prompts).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import cProfile
 import io
@@ -46,7 +47,6 @@ import sys
 import tempfile
 import threading
 import time
-import contextlib
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,12 +99,12 @@ def _tracking_overhead(root: Path, opts: Settings) -> dict:
 
     from grpo.config import load_config
     from grpo.pipeline.data import load_data
-    from grpo.training.tiny_model import alphabet_of
-    from grpo.training.policy import Policy, load_policy, tiny_cache_key
-    from grpo.tracking.run_tracking import start_run_tracking
     from grpo.runs import open_run_dir
+    from grpo.tracking.run_tracking import start_run_tracking
     from grpo.tracking.tracker import MlflowCallback, MlflowTracker
     from grpo.tracking.values import sanitize_metric_key
+    from grpo.training.policy import Policy, load_policy, tiny_cache_key
+    from grpo.training.tiny_model import alphabet_of
     from grpo.training.train import train_grpo
 
     out = root / "train-runs"
@@ -394,8 +394,8 @@ def _pipeline_overhead(root: Path, opts: Settings) -> dict:
     import grpo.tracking.run_tracking
     from grpo.config import load_config
     from grpo.pipeline.experiment import run_experiment
-    from grpo.runs import open_run_dir
     from grpo.pipeline.stages import policy_stage, prep_stage
+    from grpo.runs import open_run_dir
     from grpo.tracking.tracker import MlflowTracker
 
     micro = REPO / "tests" / "micro.yaml"

@@ -212,7 +212,8 @@ def _collect(client, mlflow_runs: list) -> list[RunData]:
                 mlflow_key[(r.info.run_id, key.removeprefix(TRAIN_PREFIX))] = key
         runs.append(RunData(
             run_id=r.info.run_id, name=name, label=name if counts[name] == 1 else f"{name} ({r.info.run_id[:6]})",
-            status="PRUNED" if r.data.tags.get("grpo.sweep.pruned") == "true" else r.info.status, start_ms=r.info.start_time, end_ms=r.info.end_time, params=dict(r.data.params),
+            status="PRUNED" if r.data.tags.get("grpo.sweep.pruned") == "true" else r.info.status,
+            start_ms=r.info.start_time, end_ms=r.info.end_time, params=dict(r.data.params),
             latest=latest, color=_COLORS[i % len(_COLORS)]))
     wanted = set(REWARD_PANEL.metrics)
     for panel in METRIC_PANELS:
@@ -280,7 +281,8 @@ def _metric_panel(panel: Panel, runs: list[RunData]) -> tuple[str, int] | None:
             if not points:
                 continue
             fig.add_trace(go.Scatter(
-                x=[s for s, _ in points], y=[v for _, v in points], mode="lines+markers" if len(points) < 60 else "lines",
+                x=[s for s, _ in points], y=[v for _, v in points],
+                mode="lines+markers" if len(points) < 60 else "lines",
                 name=run.legend, legendgroup=run.run_id, showlegend=run.run_id not in shown,
                 line={"color": run.color, "width": 2}, marker={"size": 5},
                 hovertemplate=f"{html.escape(run.label)}<br>{html.escape(run.legend)}<br>step %{{x}}<br>{key} "
@@ -451,7 +453,8 @@ th.param, td.param { color: #3e4c59; font-family: ui-monospace, Menlo, Consolas,
 .swatch { display: inline-block; width: 10px; height: 10px; border-radius: 2px; margin-right: 6px; }
 td.run a { color: inherit; text-decoration: none; }
 td.run a:hover { text-decoration: underline; }
-.status-finished { color: #1e7e34; } .status-pruned { color: #6b7280; } .status-failed, .status-killed { color: #c0392b; } .status-running { color: #b7791f; }
+.status-finished { color: #1e7e34; } .status-pruned { color: #6b7280; } \
+.status-failed, .status-killed { color: #c0392b; } .status-running { color: #b7791f; }
 """
 
 
@@ -570,9 +573,9 @@ def log_dashboard(tracker_or_client: Any, run_id: str | None, path: str | Path,
                   artifact_path: str = ARTIFACT_PATH) -> str:
     """Upload the dashboard file ``path`` as an artifact of ``run_id`` (e.g. a sweep's parent run).
 
-    ``tracker_or_client`` is a :class:`grpo.tracking.tracker.MlflowTracker` (``run_id`` may then be None for the tracker's
-    own run) or an ``MlflowClient``. Returns the artifact's path in the run, ``dashboard/<file name>``. Errors of the
-    upload are raised (the caller decides whether a missing dashboard matters).
+    ``tracker_or_client`` is a :class:`grpo.tracking.tracker.MlflowTracker` (``run_id`` may then be None for the
+    tracker's own run) or an ``MlflowClient``. Returns the artifact's path in the run, ``dashboard/<file name>``.
+    Errors of the upload are raised (the caller decides whether a missing dashboard matters).
     """
     client = getattr(tracker_or_client, "client", tracker_or_client)
     run_id = run_id or getattr(tracker_or_client, "run_id", None)

@@ -1,5 +1,5 @@
-"""The pipeline flow: the recipe (:mod:`grpo.pipeline.recipe`: prep → plan → eval (before) → train → eval (after)) with each
-stage a named Prefect subflow; one Prefect flow run and one MLflow run.
+"""The pipeline flow: the recipe (:mod:`grpo.pipeline.recipe`: prep → plan → eval (before) → train → eval (after))
+with each stage a named Prefect subflow; one Prefect flow run and one MLflow run.
 
 The flow's parameters are the Prefect UI's run form (:mod:`flows.run_form`): a preset, the fields people change most,
 one collapsed group per config section. A retry of the flow run (or ``grpo run --resume``) continues the same run
@@ -18,22 +18,52 @@ from prefect.context import get_run_context
 from prefect.states import Cancelled, Failed
 
 import grpo.pipeline.stages
-from flows.stages import (PrefectProgress, dataset_summary, dataset_table, eval_flow, plan_flow, plan_markdown, prep_flow,
-                          summarize_for_ui)
-from flows.run_form import (UNSET, AsyncSettings, BatchSizeField, DataSettings, EnvironmentSettings,
-                            EvaluationSettings, ExperimentSettings, GRPOSettings, LearningRateField, LossTypeField, MaxStepsField, ModelSettings,
-                            NumGenerationsField, Overrides, PresetChoice, Resume, RewardFuncsField, RunName,
-                            SamplingSettings, SeedField, TrackingSettings, TrackingTags, WholeConfig, form_settings,
-                            given)
+from flows.run_form import (
+    UNSET,
+    AsyncSettings,
+    BatchSizeField,
+    DataSettings,
+    EnvironmentSettings,
+    EvaluationSettings,
+    ExperimentSettings,
+    GRPOSettings,
+    LearningRateField,
+    LossTypeField,
+    MaxStepsField,
+    ModelSettings,
+    NumGenerationsField,
+    Overrides,
+    PresetChoice,
+    Resume,
+    RewardFuncsField,
+    RunName,
+    SamplingSettings,
+    SeedField,
+    TrackingSettings,
+    TrackingTags,
+    WholeConfig,
+    form_settings,
+    given,
+)
+from flows.stages import (
+    PrefectProgress,
+    dataset_summary,
+    dataset_table,
+    eval_flow,
+    plan_flow,
+    plan_markdown,
+    prep_flow,
+    summarize_for_ui,
+)
 from grpo.config import ExperimentConfig, resolve_config
 from grpo.console import quiet_library_noise
 from grpo.errors import GRPOPlatformError
 from grpo.pipeline.confine import check_config_paths
 from grpo.pipeline.recipe import run_recipe
 from grpo.pipeline.run_context import RunContext
+from grpo.runs import RunDir, open_run_dir
 from grpo.tracking.store import mlflow_ui_url
 from grpo.tracking.tracker import MlflowTracker
-from grpo.runs import RunDir, open_run_dir
 
 
 @flow(name="grpo-train", flow_run_name="train")
@@ -205,7 +235,8 @@ def grpo_pipeline(
     logger.info(f"run directory {run.path} (resume={resume})")
 
     tags = {"prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": flow_run_name,
-            "prefect.deployment": _deployment_name(), "prefect.ui_url": _ui_url(flow_run_id), **(given(tracking_tags) or {})}
+            "prefect.deployment": _deployment_name(), "prefect.ui_url": _ui_url(flow_run_id),
+            **(given(tracking_tags) or {})}
     try:
         return run_recipe(config, run, PrefectStages(), context=context, resume=resume, log=logger.info, tags=tags,
                           summary_extra={"prefect_flow_run_id": flow_run_id})

@@ -37,14 +37,23 @@ from prefect.cache_policies import NO_CACHE
 from flows.pipeline import _flow_run_info, grpo_pipeline, mlflow_run_url
 from flows.run_form import UNSET, PresetChoice, WholeConfig, given
 from flows.stages import plan_flow, prep_flow
-from flows.sweep_form import (ConcurrencyField, DirectionField, MetricField, RegisteredModelField, SpaceField,
-                              StorageField, StudyNameField, SweepNameField, TrialStepsField, TrialTimeoutField,
-                              UseDeploymentField)
+from flows.sweep_form import (
+    ConcurrencyField,
+    DirectionField,
+    MetricField,
+    RegisteredModelField,
+    SpaceField,
+    StorageField,
+    StudyNameField,
+    SweepNameField,
+    TrialStepsField,
+    TrialTimeoutField,
+    UseDeploymentField,
+)
 from grpo.config import ExperimentConfig, resolve_config
 from grpo.pipeline.confine import check_config_paths
 from grpo.pipeline.run_context import RunContext
-from grpo.pipeline.sweep import (InProcessTrials, InputStages, Sweep, Trial, default_sweep_name, results_table,
-                                 run_sweep)
+from grpo.pipeline.sweep import InProcessTrials, InputStages, Sweep, Trial, default_sweep_name, results_table, run_sweep
 from grpo.tracking.sweep_runs import MlflowTrialRuns, ParentRun
 
 _DEPLOYMENT_LOCK = threading.Lock()  # run_deployment's subflow task keys come from an unlocked per-flow counter

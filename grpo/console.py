@@ -20,8 +20,8 @@ HARMLESS_WARNINGS = [
 # (logger, message start): log records of the same kind. transformers sorts checkpoints by mtime and says so when two
 # were saved within a second, which every short run does; it then sorts them by step, which is right.
 # MLflow says on every run of a CPU machine that it skips GPU metrics, on every model it logs that the model card's
-# license is not a known one (the card is written locally, see grpo.tracking.model_logging.log_model), and on a new local
-# store that it creates its tables.
+# license is not a known one (the card is written locally, see grpo.tracking.model_logging.log_model), and on a new
+# local store that it creates its tables.
 HARMLESS_LOG_RECORDS = [("transformers.trainer_utils", "mtime may not be reliable"),
                         ("mlflow.system_metrics.system_metrics_monitor", "Skip logging GPU metrics"),
                         ("mlflow.transformers", "Unable to find license information"),

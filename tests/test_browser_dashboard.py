@@ -1,5 +1,6 @@
 """In a real Chromium (the Debian package, driven by Playwright): the dashboard HTML (every plot renders, offline,
-without console errors; test-output/dashboard.png) and the MLflow pages a run's links open (test-output/mlflow-*.png)."""
+without console errors; test-output/dashboard.png) and the MLflow pages a run's links open
+(test-output/mlflow-*.png)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from dashboards.comparison import build_dashboard
-from grpo.tracking.run_tracking import eval_metrics, log_numbers, log_plan, log_prep
 from grpo.tracking.model_logging import log_model
+from grpo.tracking.run_tracking import eval_metrics, log_numbers, log_plan, log_prep
 from grpo.tracking.store import mlflow_ui_url
 from grpo.tracking.tracker import MlflowCallback, MlflowTracker
 from tests.conftest import REPO
@@ -106,7 +107,8 @@ def _log_run(uri: str, tmp_path: Path, name: str, lr: float, after: float, model
     for step in range(1, STEPS + 1):
         state.global_step = step
         callback.on_log(None, state, TrainerControl(), logs={
-            k: (0.0 if k.startswith("clip_ratio") else 0.1 * step + i / 100 + lr * 1e3) for i, k in enumerate(TRAINER_KEYS)})
+            k: (0.0 if k.startswith("clip_ratio") else 0.1 * step + i / 100 + lr * 1e3)
+            for i, k in enumerate(TRAINER_KEYS)})
     log_numbers(tracker, eval_metrics({"accuracy": after, "pass@4": 0.9}), step=STEPS)
     log_model(tracker, model_dir, model_dir, step=STEPS)
     return tracker
@@ -154,7 +156,8 @@ def _chart_titles_in_page_order(page, until: str, max_scrolls: int = 40) -> list
             if title not in seen:
                 seen.append(title)
         if until in seen:
-            page.locator("[data-testid=experiment-view-compare-runs-card]", has_text=until).first.scroll_into_view_if_needed()
+            page.locator("[data-testid=experiment-view-compare-runs-card]",
+                         has_text=until).first.scroll_into_view_if_needed()
             page.wait_for_timeout(1000)  # its chart draws once in view
             return seen
         page.mouse.wheel(0, 600)

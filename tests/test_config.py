@@ -22,7 +22,8 @@ def rejects(overrides: list[str], *fragments: str) -> str:
 
 
 def test_defaults_and_presets_load():
-    assert presets() == ["qwen2.5-0.5b-gsm8k", "tiny", "tiny-calculator", "tiny-guess-digit"] and presets("spaces") == ["tiny-lr-beta", "tiny-tpe-pruned"]
+    assert (presets() == ["qwen2.5-0.5b-gsm8k", "tiny", "tiny-calculator", "tiny-guess-digit"]
+            and presets("spaces") == ["tiny-lr-beta", "tiny-tpe-pruned"])
     cfg = load_config("tiny")
     assert cfg.model.is_tiny and cfg.data.synthetic
     assert cfg.grpo.reward_funcs == ["exact_match"]
@@ -114,9 +115,11 @@ def test_yaml_round_trip_and_flatten():
         (["grpo.learning_rate=-1"], ["grpo.learning_rate", "greater than 0"]),
         (["grpo.learning_rate=fast"], ["grpo.learning_rate", "valid number"]),
         (["grpo.num_generations=1"], ["grpo.num_generations", "greater than or equal to 2"]),
-        (["grpo.num_generations=3"], ["divisible by grpo.num_generations (3)", "valid num_generations: [2, 4, 8, 16, 32, 64, 128, 256]"]),
+        (["grpo.num_generations=3"],
+         ["divisible by grpo.num_generations (3)", "valid num_generations: [2, 4, 8, 16, 32, 64, 128, 256]"]),
         (["grpo.generation_batch_size=64", "grpo.steps_per_generation=2"], ["can not both be set"]),
-        (["grpo.generation_batch_size=48"], ["generation_batch_size (48) must be divisible by the global batch", "= 256"]),
+        (["grpo.generation_batch_size=48"],
+         ["generation_batch_size (48) must be divisible by the global batch", "= 256"]),
         (["grpo.num_generations_chunks=3"], ["grpo.num_generations_chunks (3)", "valid: [1, 2, 4, 8]"]),
         (["grpo.epsilon_high=0.1"], ["grpo.epsilon_high (0.1) must be >= grpo.epsilon (0.2)"]),
         (["grpo.loss_type=luspo"], ["requires grpo.importance_sampling_level: sequence"]),
@@ -128,7 +131,8 @@ def test_yaml_round_trip_and_flatten():
         (["data.prompt_format=chat"], ["'tiny' has no chat template"]),
         (["model.tiny.max_position_embeddings=8"], ["max_position_embeddings (8) is too small"]),
         (["model.tiny.hidden_size=30"], ["model.tiny.hidden_size: 30 must be divisible by num_attention_heads (4)"]),
-        (["sampling.world_size=4", "sampling.sequence_parallel_degree=3"], ["sampling.sequence_parallel_degree", "valid degrees: [1, 2, 4]"]),
+        (["sampling.world_size=4", "sampling.sequence_parallel_degree=3"],
+         ["sampling.sequence_parallel_degree", "valid degrees: [1, 2, 4]"]),
         (["data.num_train=10000"], ["data.num_train", "exceeds the 10000 distinct problems"]),
         (["data.source=synthetic:multiply"], ["data.source: unknown synthetic task", "'synthetic:addition'"]),
         (["data.source=nowhere/data.jsonl"], ["data.source: file does not exist: nowhere/data.jsonl"]),
@@ -138,7 +142,8 @@ def test_yaml_round_trip_and_flatten():
         (["async.reward_num_workers=0"], ["async.reward_num_workers", "greater than or equal to 1"]),
         (["async.reroll_start_fraction=2"], ["async.reroll_start_fraction", "less than or equal to 1"]),
         (["tracking.backend=wandb"], ["tracking.backend", "'none' or 'mlflow'"]),
-        (["async.vllm_importance_sampling_correction=true"], ["async.vllm_importance_sampling_correction", "needs async.use_data_producer"]),
+        (["async.vllm_importance_sampling_correction=true"],
+         ["async.vllm_importance_sampling_correction", "needs async.use_data_producer"]),
         (["async.off_policy_mask_threshold=0.5"], ["async.off_policy_mask_threshold", "needs async.use_data_producer"]),
         (["grpo=3"], ["grpo", "valid dictionary"]),
     ],
@@ -166,7 +171,8 @@ def test_yaml_file_errors(tmp_path):
         load_config(tmp_path / "missing.yaml")
     typo = tmp_path / "typo.yaml"
     typo.write_text("grpo:\n  lerning_rate: 1e-4\n")
-    with pytest.raises(ConfigError, match=r"typo.yaml: grpo.lerning_rate: unknown field \(did you mean 'learning_rate'\?\)"):
+    with pytest.raises(ConfigError,
+                       match=r"typo.yaml: grpo.lerning_rate: unknown field \(did you mean 'learning_rate'\?\)"):
         load_config(typo)
     empty = tmp_path / "empty.yaml"
     empty.write_text("")

@@ -161,9 +161,9 @@ def test_the_evaluation_stage_reports_the_environment_figures_before_and_after(p
     """The pipeline's evaluation stage with the real tiny model: the environment's figures in eval_*.json, as
     eval/env/* metrics, and in summary.json before and after; the tokenizer covers the environment's alphabet."""
     from grpo.pipeline.recipe import write_summary
-    from grpo.tracking.run_tracking import eval_metrics
     from grpo.pipeline.stages import cached_prep, eval_stage, policy_stage
     from grpo.runs import RunDir
+    from grpo.tracking.run_tracking import eval_metrics
 
     monkeypatch.setenv("GRPO_CACHE_DIR", str(tmp_path / "cache"))
     cfg = tiny_cfg(preset, tmp_path)

@@ -309,7 +309,8 @@ def test_secrets_are_refused_in_the_config_and_masked_if_logged(tmp_path):
     from grpo.config import ConfigError
     from grpo.tracking.values import redact
 
-    with pytest.raises(ConfigError, match=r"grpo.extra: 'hub_token' is a secret.*set the HF_TOKEN environment variable"):
+    with pytest.raises(ConfigError,
+                       match=r"grpo.extra: 'hub_token' is a secret.*set the HF_TOKEN environment variable"):
         load_config(MICRO, micro_overrides(tmp_path, **{"grpo.extra": "{hub_token: hf_SECRETVALUE}"}))
     assert not (tmp_path / "runs").exists()
     masked = redact("grpo.extra", {"hub_token": "hf_SECRETVALUE", "api_key": "k", "num_iterations": 2})

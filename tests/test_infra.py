@@ -21,9 +21,18 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.browser import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    SCREENSHOTS,
+    SECTION_TITLES,
+    form_property,
+    open_section,
+    open_select,
+    require_chromium,
+    submit,
+)
 from tests.conftest import MICRO, REPO
-from tests.browser import (CHROMIUM, CHROMIUM_ARGS, SCREENSHOTS, SECTION_TITLES, form_property, open_section,
-                           open_select, require_chromium, submit)
 from tests.servers import BIN, free_port
 
 INFRA = REPO / "infra"
@@ -53,8 +62,8 @@ def flow_params(entrypoint: str) -> list[str]:
 def test_prefect_yaml_deployments_point_at_real_flows_pools_and_presets():
     from prefect.cli.deploy._models import PrefectYamlModel
 
-    from grpo.config import load_config, presets
     from grpo.app.serve import SWEEP_PARAMETERS
+    from grpo.config import load_config, presets
     from grpo.pipeline.sweep_space import validate_space
 
     data = prefect_yaml()
@@ -275,7 +284,8 @@ def test_deploy_creates_pools_and_deployments_with_schedule(prefect_server, depl
     # `prefect deploy` built the run form of flows/run_form.py: preset first, sections with every field described
     props = schema["properties"]
     assert min(props, key=lambda k: props[k]["position"]) == "preset"
-    assert props["preset"]["enum"] == ["qwen2.5-0.5b-gsm8k", "tiny", "tiny-calculator", "tiny-guess-digit", None] and props["preset"]["title"] == "Preset"
+    assert (props["preset"]["enum"] == ["qwen2.5-0.5b-gsm8k", "tiny", "tiny-calculator", "tiny-guess-digit", None]
+            and props["preset"]["title"] == "Preset")
     grpo_fields = props["grpo_settings"]["properties"]
     assert grpo_fields["loss_type"]["enum"][:3] == ["grpo", "dr_grpo", "dapo"]
     assert {"exact_match", "last_number_match"} <= set(grpo_fields["reward_funcs"]["items"]["enum"])
@@ -533,7 +543,8 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
                                    "MLflow run name", "Resume"]
             assert labels[10:] == ["Data", "Model", "GRPO training", "Sampling and balancing", "Async generation",
                                    "Environments and tools", "Evaluation", "MLflow tracking", "Experiment",
-                                   "More settings (key=value)", "Whole config (advanced)", "Extra MLflow run tags"]  # sections collapsed
+                                   "More settings (key=value)", "Whole config (advanced)",
+                                   "Extra MLflow run tags"]  # sections collapsed
             body = page.locator("body").inner_text()
             assert 'Property is type "None"' not in body and page.get_by_role("button", name="None").count() == 0
             form_height = page.locator("form").first.bounding_box()["height"]

@@ -27,8 +27,8 @@
   transformers flavour) and ``grpo.console`` (log levels).
 - MLflow is imported only where runs are tracked (``grpo.tracking``, but for its generic spool and its metric names),
   by the app, the flows and the dashboards; ``dashboards/`` never import Prefect.
-- The TRL methods the trainer overrides are listed in one place (``grpo.training.trainer.TRL_HOOKS``), checked against the
-  class and the pinned TRL.
+- The TRL methods the trainer overrides are listed in one place (``grpo.training.trainer.TRL_HOOKS``), checked against
+  the class and the pinned TRL.
 """
 
 from __future__ import annotations
@@ -148,15 +148,15 @@ def test_config_imports_below_it_and_reaches_up_in_one_module():
 
 
 def test_importing_the_config_imports_nothing_above_it():
-    """``grpo.config.trl_and_rewards`` imports TRL, transformers, the rewards and the environments when a check or the form needs them,
-    never at import: every ``grpo`` command and test imports the config."""
+    """``grpo.config.trl_and_rewards`` imports TRL, transformers, the rewards and the environments when a check or the
+    form needs them, never at import: every ``grpo`` command and test imports the config."""
     code = "import sys, grpo.config; print(' '.join(sorted(sys.modules)))"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     loaded = set(subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True,
                                 cwd=ROOT).stdout.split())
     assert "grpo.config.trl_and_rewards" in loaded
-    above = {"trl", "transformers", "torch", "grpo.rewards", "grpo.environments", "grpo.training", "grpo.pipeline", "grpo.app", "mlflow",
-             "prefect"}
+    above = {"trl", "transformers", "torch", "grpo.rewards", "grpo.environments", "grpo.training", "grpo.pipeline",
+             "grpo.app", "mlflow", "prefect"}
     assert sorted(m for m in loaded if any(under(m, a) for a in above)) == []
 
 
@@ -243,7 +243,8 @@ def test_mlflow_only_where_runs_are_tracked():
             "grpo.tracking.sync_logging", "grpo.tracking.model_logging", "grpo.tracking.run_tracking"} <= tracking
 
     def allowed(mod: str, imp: str) -> bool:
-        return top(imp) != "mlflow" or mod in tracking or any(under(mod, p) for p in ("grpo.app", "flows", "dashboards"))
+        return (top(imp) != "mlflow" or mod in tracking
+                or any(under(mod, p) for p in ("grpo.app", "flows", "dashboards")))
 
     assert violations(modules("grpo", "flows", "dashboards"), allowed) == []
 

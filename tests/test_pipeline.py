@@ -1,5 +1,5 @@
-"""The Prefect pipeline against a real Prefect server (the session's ``prefect server start``) and a real `mlflow server`
-process."""
+"""The Prefect pipeline against a real Prefect server (the session's ``prefect server start``) and a real `mlflow
+server` process."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ STAGE_PARAMS = {"prep.rows_in", "prep.rows_valid", "prep.rows_quarantined", "pla
 # The full run switches every toolkit feature on, so each metric the pipeline issue names must reach MLflow.
 TOOLKIT = {"grpo.beta": 0.04, "async.use_data_producer": "true", "async.async_prefetch": "true",
            "async.vllm_importance_sampling_correction": "true", "async.off_policy_mask_threshold": 0.5,
-           "async.replay_buffer_size": 4, "async.reroll_start_fraction": 0.0, "async.skip_zero_advantage_batches": "true",
-           "async.streaming_partial_batch": "true"}
+           "async.replay_buffer_size": 4, "async.reroll_start_fraction": 0.0,
+           "async.skip_zero_advantage_batches": "true", "async.streaming_partial_batch": "true"}
 TOOLKIT_METRICS = {"kl", "clip_ratio/region_mean", "sampling/importance_sampling_ratio/min",
                    "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max",
                    "sampling/is_frac_clamped", "sampling/opsm_frac_masked", "replay_buffer_replacements",
@@ -54,16 +54,19 @@ def prefect_api(path: str, body: dict) -> list[dict]:
 
 
 def flow_runs_by_name(parent_id: str) -> dict[str, list]:
-    """The flow run ``parent_id`` and its subflow runs (only those: other tests' runs share the server), by flow name."""
+    """The flow run ``parent_id`` and its subflow runs (only those: other tests' runs share the server), by flow
+    name."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
     from prefect.client.schemas.sorting import FlowRunSort
 
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(limit=200, sort=FlowRunSort.EXPECTED_START_TIME_ASC, flow_run_filter=FlowRunFilter(
-            id=FlowRunFilterId(any_=[parent_id])))
-        runs += client.read_flow_runs(limit=200, sort=FlowRunSort.EXPECTED_START_TIME_ASC, flow_run_filter=FlowRunFilter(
-            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+        runs = client.read_flow_runs(
+            limit=200, sort=FlowRunSort.EXPECTED_START_TIME_ASC,
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[parent_id])))
+        runs += client.read_flow_runs(
+            limit=200, sort=FlowRunSort.EXPECTED_START_TIME_ASC,
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
         names = {}
         for run in runs:
             names.setdefault(client.read_flow(run.flow_id).name, []).append(run)
@@ -122,7 +125,8 @@ def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefe
     # MLflow: params = the flattened config, every stage's metrics with steps, artifacts, the model, the tags.
     client = MlflowClient(mlflow_server.uri)
     run = client.get_run(summary["mlflow_run_id"])
-    tracked = client.search_runs([run.info.experiment_id], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+    tracked = client.search_runs([run.info.experiment_id],
+                                 filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
     assert [r.info.run_id for r in tracked] == [summary["mlflow_run_id"]]  # one MLflow run for the whole pipeline
     assert run.data.params["grpo.learning_rate"] == str(cfg.grpo.learning_rate)
     assert run.data.params["model.tiny.hidden_size"] == "64"
@@ -166,8 +170,9 @@ def test_prep_and_plan_are_cached_across_runs(tmp_path, prefect_in_process, mlfl
     # data.seed unique to this test: no earlier run in this session prepared (or planned) this data
     unique = {"data.seed": 1717}
     first = grpo_pipeline(config=pipeline_config(tmp_path, mlflow_server.uri, **unique), run_name="cache-a")
-    second = grpo_pipeline(config=pipeline_config(tmp_path, mlflow_server.uri, **unique, **{"grpo.learning_rate": 3e-4}),
-                           run_name="cache-b")
+    second = grpo_pipeline(
+        config=pipeline_config(tmp_path, mlflow_server.uri, **unique, **{"grpo.learning_rate": 3e-4}),
+        run_name="cache-b")
     a, b = RunDir(tmp_path / "cache-a").inputs(), RunDir(tmp_path / "cache-b").inputs()
     assert a["data_dir"] == b["data_dir"] and a["plan_path"] == b["plan_path"]  # only a training field changed
     # Each run's own task runs: the first computed prep and plan, the second took both from Prefect's cache.
@@ -242,7 +247,8 @@ def assert_readable_console(out: str, steps: int) -> None:
     noisy = [line for line in lines if any(p.search(line) for p in NOISE)]
     assert not noisy, "\n".join(noisy[:10])
     assert max(map(len, lines)) < 300, max(lines, key=len)
-    assert any(re.search(rf"Flow run 'train' - step {steps}/{steps} \| reward \d\.\d{{3}}", line) for line in lines), out
+    assert any(re.search(rf"Flow run 'train' - step {steps}/{steps} \| reward \d\.\d{{3}}", line)
+               for line in lines), out
     assert any(" - data: " in line and "rows valid" in line for line in lines), out
 
 

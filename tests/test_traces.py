@@ -13,8 +13,8 @@ from transformers import TrainerCallback
 
 from grpo.environments import register_environment
 from grpo.environments.base import Environment, StepResult, ToolCall
-from grpo.tracking.tracker import MlflowCallback, MlflowTracker
 from grpo.tracking.traces import DROPPED_METRIC, WRITTEN_METRIC
+from grpo.tracking.tracker import MlflowCallback, MlflowTracker
 from tests.servers import MlflowServer
 from tests.trainers import environment_trainer
 

@@ -203,6 +203,7 @@ def test_resume_same_run_no_gaps_no_duplicates(mlflow_server, make_tracker, tmp_
 
 def test_log_model_transformers_flavour_offline(mlflow_server, make_tracker, tmp_path):
     import mlflow.transformers
+
     from grpo.training.tiny_model import build_char_tokenizer, build_tiny_qwen2
 
     tokenizer = build_char_tokenizer("0123456789+= ")
@@ -297,4 +298,5 @@ def test_keys_and_param_values():
     assert sanitize_metric_key("eval/pass@8") == "eval/pass_at_8"
     assert sanitize_metric_key("/rewards//exact match (mean)/") == "rewards/exact match _mean_"
     assert sanitize_metric_key("../x") == "x"
-    assert param_value(None) == "None" and param_value(0.5) == "0.5" and param_value({"b": 1, "a": [1]}) == '{"a":[1],"b":1}'
+    assert (param_value(None) == "None" and param_value(0.5) == "0.5"
+            and param_value({"b": 1, "a": [1]}) == '{"a":[1],"b":1}')

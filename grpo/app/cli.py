@@ -42,10 +42,13 @@ app = typer.Typer(
 
 PREFECT_STARTUP_SECONDS = 120
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", metavar="FILE|PRESET",
-                                         help="Experiment YAML file, or a preset name: tiny, tiny-calculator, tiny-guess-digit, qwen2.5-0.5b-gsm8k.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a field: section.field=value (repeatable).")]
+                                         help="Experiment YAML file, or a preset name: tiny, tiny-calculator, "
+                                              "tiny-guess-digit, qwen2.5-0.5b-gsm8k.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE",
+                                                     help="Override a field: section.field=value (repeatable).")]
 RewardModuleOpt = Annotated[
-    Optional[list[Path]], typer.Option("--reward-module", metavar="FILE", help="Python file registering reward functions (repeatable).")
+    Optional[list[Path]],
+    typer.Option("--reward-module", metavar="FILE", help="Python file registering reward functions (repeatable)."),
 ]
 EnvModuleOpt = Annotated[
     Optional[list[Path]],
@@ -152,8 +155,12 @@ def _load(config: Path | None, overrides: list[str] | None, reward_modules: list
 def run(
     config: ConfigOpt,
     set_: SetOpt = None,
-    run_name: Annotated[Optional[str], typer.Option("--run-name", help="Run directory name (default: <name>-<time>).")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue an existing run from its last checkpoint.")] = False,
+    run_name: Annotated[
+        Optional[str], typer.Option("--run-name", help="Run directory name (default: <name>-<time>).")
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue an existing run from its last checkpoint.")
+    ] = False,
     reward_module: RewardModuleOpt = None,
     env_module: EnvModuleOpt = None,
 ) -> None:
@@ -234,12 +241,21 @@ def sweep(
                                                         "pruner) over field paths; or a space preset name "
                                                         "(tiny-lr-beta, tiny-tpe-pruned).")],
     max_concurrency: Annotated[int, typer.Option("--max-concurrency", help="Trials running at once.")] = 2,
-    metric: Annotated[str, typer.Option("--metric", help="Summary key (or MLflow metric) picking the best trial.")] = "eval_accuracy_after",
+    metric: Annotated[
+        str, typer.Option("--metric", help="Summary key (or MLflow metric) picking the best trial.")
+    ] = "eval_accuracy_after",
     direction: Annotated[str, typer.Option("--direction", help="maximize or minimize the metric.")] = "maximize",
     name: Annotated[Optional[str], typer.Option("--name", help="Sweep name (default: <name>-sweep-<time>).")] = None,
-    deployment: Annotated[Optional[str], typer.Option("--deployment", help="Run trials as flow runs of this grpo-pipeline deployment.")] = None,
-    study: Annotated[Optional[str], typer.Option("--study", help="Optuna study to create or continue (default: a new one named as the sweep).")] = None,
-    storage: Annotated[Optional[str], typer.Option("--storage", help="Optuna storage URL (default: sqlite:///<output_dir>/optuna.db).")] = None,
+    deployment: Annotated[
+        Optional[str], typer.Option("--deployment", help="Run trials as flow runs of this grpo-pipeline deployment.")
+    ] = None,
+    study: Annotated[
+        Optional[str],
+        typer.Option("--study", help="Optuna study to create or continue (default: a new one named as the sweep)."),
+    ] = None,
+    storage: Annotated[
+        Optional[str], typer.Option("--storage", help="Optuna storage URL (default: sqlite:///<output_dir>/optuna.db).")
+    ] = None,
     set_: SetOpt = None,
     reward_module: RewardModuleOpt = None,
     env_module: EnvModuleOpt = None,
@@ -248,8 +264,8 @@ def sweep(
     try:
         cfg = _load(config, set_, reward_module, env_module)
         from grpo.errors import RunDirectoryError
-        from grpo.runs import validate_run_name
         from grpo.pipeline.sweep_space import load_space, validate_space
+        from grpo.runs import validate_run_name
 
         if direction not in ("maximize", "minimize"):
             _fail(f"--direction {direction!r}: use maximize or minimize")
@@ -261,9 +277,11 @@ def sweep(
             try:
                 validate_run_name(name)
             except RunDirectoryError:
-                _fail(f"--name {name!r}: use letters, digits, '.', '_' or '-' (max 128 characters, no leading punctuation)")
+                _fail(f"--name {name!r}: use letters, digits, '.', '_' or '-' "
+                      "(max 128 characters, no leading punctuation)")
             if (Path(cfg.output_dir) / name).exists():
-                raise RunDirectoryError(f"sweep directory {Path(cfg.output_dir) / name} already exists; choose another --name")
+                raise RunDirectoryError(f"sweep directory {Path(cfg.output_dir) / name} already exists; "
+                                        "choose another --name")
         pruner = checked.pruner_spec["type"] if checked.pruner_spec else "no"
         typer.echo(f"sweep: {checked.n_trials} trials ({checked.sampler_kind} sampler, {pruner} pruner), "
                    f"at most {max_concurrency} at once")
@@ -335,7 +353,9 @@ def validate(config: ConfigOpt, set_: SetOpt = None, reward_module: RewardModule
 def plan(
     config: ConfigOpt,
     set_: SetOpt = None,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Plan directory (default: <output_dir>/plans/<name>).")] = None,
+    out: Annotated[
+        Optional[Path], typer.Option("--out", help="Plan directory (default: <output_dir>/plans/<name>).")
+    ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing plan.")] = False,
     reward_module: RewardModuleOpt = None,
     env_module: EnvModuleOpt = None,
@@ -405,7 +425,8 @@ def dashboard(
     out: Annotated[Path, typer.Option("--out", "-o", help="HTML file to write (self-contained, opens offline).")],
     sweep: Annotated[Optional[str], typer.Option("--sweep", help="Only the child runs of this sweep run id.")] = None,
     tracking_uri: Annotated[
-        Optional[str], typer.Option("--tracking-uri", help="MLflow URI (default: MLFLOW_TRACKING_URI, else ./mlflow.db).")
+        Optional[str],
+        typer.Option("--tracking-uri", help="MLflow URI (default: MLFLOW_TRACKING_URI, else ./mlflow.db)."),
     ] = None,
 ) -> None:
     """Write an HTML dashboard comparing the runs of an MLflow experiment or sweep (rewards, eval, final metrics)."""
@@ -485,8 +506,8 @@ def serve(
     limit: Annotated[int, typer.Option("--limit", metavar="N", help="At most N flow runs at once; later submissions "
                                         "wait until one ends (two trainings on one machine only compete).")] = 1,
     allow_path: Annotated[Optional[list[Path]], typer.Option(
-        "--allow-path", metavar="DIR", help="Runs may also read and write under DIR (repeatable; default: only the current "
-                             "directory, plus $GRPO_SERVE_ALLOW_PATHS).")] = None,
+        "--allow-path", metavar="DIR", help="Runs may also read and write under DIR (repeatable; default: only "
+                                            "the current directory, plus $GRPO_SERVE_ALLOW_PATHS).")] = None,
 ) -> None:
     """Serve the pipeline (and sweep) flows on the Prefect server at PREFECT_API_URL until Ctrl-C: runs started from
     the Prefect UI, or by the schedule, execute here; no work pool or worker needed."""
@@ -520,7 +541,8 @@ def deploy(
     ctx: typer.Context,
     prefect_file: Annotated[Path, typer.Option("--prefect-file", help="Deployment file.")] = Path("infra/prefect.yaml"),
     name: Annotated[
-        Optional[list[str]], typer.Option("--name", "-n", metavar="NAME", help="Deploy only this deployment (repeatable).")
+        Optional[list[str]],
+        typer.Option("--name", "-n", metavar="NAME", help="Deploy only this deployment (repeatable)."),
     ] = None,
 ) -> None:
     """`prefect deploy` of infra/prefect.yaml (run from the repository root, work pools created first; see

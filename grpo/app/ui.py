@@ -55,8 +55,8 @@ def taken_ports_message(prefect_port: int, mlflow_port: int) -> str | None:
     if not taken:
         return None
     ports = f"port{'s' if len(taken) > 1 else ''} {' and '.join(taken)}"
-    return f"{ports} already in use on 127.0.0.1 (another grpo ui?); pick free ones, e.g. grpo ui --prefect-port 4201 " \
-           "--mlflow-port 5001"
+    return f"{ports} already in use on 127.0.0.1 (another grpo ui?); pick free ones, e.g. " \
+           "grpo ui --prefect-port 4201 --mlflow-port 5001"
 
 
 def start_servers(project_dir: Path, prefect_port: int, mlflow_port: int) -> list[subprocess.Popen]:

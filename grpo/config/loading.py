@@ -20,7 +20,6 @@ from grpo.config.sections import ExperimentConfig
 from grpo.errors import ConfigError
 
 
-
 def _format_validation_error(err: ValidationError) -> str:
     parts = []
     for e in err.errors():
@@ -35,7 +34,8 @@ def _format_validation_error(err: ValidationError) -> str:
             if sep and loc and head.isidentifier():  # "source: ..." raised inside section "data" -> "data.source: ..."
                 loc, msg = f"{loc}.{head}", rest
             got = e.get("input")
-            shown = f" (got {got!r})" if got is not None and not isinstance(got, dict) and e["type"] != "value_error" else ""
+            shown = (f" (got {got!r})"
+                     if got is not None and not isinstance(got, dict) and e["type"] != "value_error" else "")
             parts.append(f"{loc}: {msg}{shown}" if loc else msg)
     return "; ".join(parts)
 
@@ -114,7 +114,9 @@ def read_text_file(path: Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data[: err.start].count(b"\n") + 1
-        raise ConfigError(f"{path}: not UTF-8 text (line {line}: byte {data[err.start]:#04x}); save it as UTF-8") from None
+        raise ConfigError(
+            f"{path}: not UTF-8 text (line {line}: byte {data[err.start]:#04x}); save it as UTF-8"
+        ) from None
 
 
 # ---------------------------------------------------------------- presets (package data: grpo/presets/)
@@ -139,8 +141,9 @@ def _preset_dir(kind: str = "") -> Traversable:
 
 
 def presets(kind: str = "") -> list[str]:
-    """Names of the presets shipped with the package: experiment configs (``tiny``, ``tiny-calculator``, ``tiny-guess-digit``, ``qwen2.5-0.5b-gsm8k``) in
-    ``grpo/presets/``, or with ``kind="spaces"`` the sweep search spaces in ``grpo/presets/spaces/``."""
+    """Names of the presets shipped with the package: experiment configs (``tiny``, ``tiny-calculator``,
+    ``tiny-guess-digit``, ``qwen2.5-0.5b-gsm8k``) in ``grpo/presets/``, or with ``kind="spaces"`` the sweep search
+    spaces in ``grpo/presets/spaces/``."""
     folder = _preset_dir(kind)
     if not folder.is_dir():
         return []
@@ -231,7 +234,8 @@ def resolve_config(config: ExperimentConfig | dict | None, preset: str | None = 
         if preset not in presets():
             raise ConfigError(f"preset: unknown preset {preset!r}; valid: {', '.join(presets())}")
         chosen = load_config(preset, overrides, settings)
-        if config is not None and config not in (load_config(DEFAULT_PRESET), chosen) and not _is_preset(config, preset):
+        if (config is not None and config not in (load_config(DEFAULT_PRESET), chosen)
+                and not _is_preset(config, preset)):
             raise ConfigError(
                 f"preset: {preset!r} replaces the whole config, but a changed config was given too; set preset to "
                 "null to run that config, or keep the preset and change fields with the form's fields or overrides "

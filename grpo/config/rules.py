@@ -74,7 +74,8 @@ def generation_batch_holds_whole_groups(cfg: ExperimentConfig) -> None:
     if gen_batch % g.num_generations:
         raise ValueError(
             f"generation batch ({gen_batch} completions) must be divisible by grpo.num_generations "
-            f"({g.num_generations}); valid num_generations: {[n for n in range(2, gen_batch + 1) if gen_batch % n == 0]}"
+            f"({g.num_generations}); valid num_generations: "
+            f"{[n for n in range(2, gen_batch + 1) if gen_batch % n == 0]}"
         )
 
 
@@ -84,7 +85,8 @@ def chunks_divide_groups(cfg: ExperimentConfig) -> None:
     if g.num_generations % g.num_generations_chunks:
         raise ValueError(
             f"grpo.num_generations ({g.num_generations}) must be divisible by grpo.num_generations_chunks "
-            f"({g.num_generations_chunks}); valid: {[c for c in range(1, g.num_generations + 1) if g.num_generations % c == 0]}"
+            f"({g.num_generations_chunks}); valid: "
+            f"{[c for c in range(1, g.num_generations + 1) if g.num_generations % c == 0]}"
         )
 
 

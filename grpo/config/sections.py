@@ -66,13 +66,15 @@ class DataConfig(_Section):
     prompt_column: str = Field("prompt", description="Column holding the prompt text.")
     answer_column: str = Field("answer", description="Column holding the reference answer.")
     answer_regex: str | None = Field(
-        None, description="Regex with one group extracting the final answer from the answer column (GSM8K: '#### (.*)')."
+        None,
+        description="Regex with one group extracting the final answer from the answer column (GSM8K: '#### (.*)').",
     )
     prompt_format: Literal["plain", "chat"] = Field(
         "plain", description="'chat' wraps text prompts as user messages; prompts given as message lists (TRL's "
         "conversational format) are used as they are, with either value.")
     system_prompt: str | None = Field(None, description="System message prepended in chat format.")
-    max_prompt_chars: int = Field(4096, ge=1, description="Prep: longer prompts (before chat wrapping) are quarantined.")
+    max_prompt_chars: int = Field(
+        4096, ge=1, description="Prep: longer prompts (before chat wrapping) are quarantined.")
     max_answer_chars: int = Field(512, ge=1, description="Prep: longer answers (after answer_regex) are quarantined.")
     duplicates: Literal["drop", "keep", "error"] = Field(
         "drop", description="Prep: repeated prompts: quarantine all but the first valid copy, allow, or fail."
@@ -277,8 +279,8 @@ class SamplingConfig(_Section):
     def _sp_divides(self) -> SamplingConfig:
         if self.world_size % self.sequence_parallel_degree:
             raise ValueError(
-                f"sequence_parallel_degree: world_size ({self.world_size}) must be divisible by sequence_parallel_degree "
-                f"({self.sequence_parallel_degree}); valid degrees: "
+                f"sequence_parallel_degree: world_size ({self.world_size}) must be divisible by "
+                f"sequence_parallel_degree ({self.sequence_parallel_degree}); valid degrees: "
                 f"{[d for d in range(1, self.world_size + 1) if self.world_size % d == 0]}"
             )
         return self

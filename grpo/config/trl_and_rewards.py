@@ -34,8 +34,8 @@ __all__ = [
 # grpo.extra: a config is written to config.yaml, shown as Prefect flow-run parameters and logged to MLflow.
 TRL_SECRET_FIELDS = {"hub_token": "HF_TOKEN"}
 
-# trl.GRPOConfig fields the platform sets itself (grpo.training.train.grpo_args), with where their value comes from. grpo.extra
-# may not set them: kwargs from extra are applied last and would silently win over the platform's field.
+# trl.GRPOConfig fields the platform sets itself (grpo.training.train.grpo_args), with where their value comes from.
+# grpo.extra may not set them: kwargs from extra are applied last and would silently win over the platform's field.
 TRL_FIELDS_SET_BY_PLATFORM: dict[str, str] = {
     "output_dir": "the run directory (output_dir + run name)",
     "use_cpu": "the machine (CPU when no CUDA device is present)",

@@ -71,8 +71,8 @@ def tokenizer_fingerprint(name_or_path: str) -> str:
         return name_or_path
     digest = hashlib.sha256()
     for path in sorted(folder.iterdir()):
-        if path.is_file() and (path.name.startswith("tokenizer") or path.name in {"chat_template.jinja", "vocab.json",
-                                                                                   "merges.txt", "special_tokens_map.json"}):
+        if path.is_file() and (path.name.startswith("tokenizer") or path.name in {
+                "chat_template.jinja", "vocab.json", "merges.txt", "special_tokens_map.json"}):
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return f"{folder.resolve()}:{digest.hexdigest()[:16]}"
 

@@ -1,6 +1,6 @@
-"""The recipe (:mod:`grpo.pipeline.recipe`) run in this process, stage by stage as plain calls: what every rank runs under
-``torchrun`` / ``accelerate launch``, and what tests and benchmarks run. ``grpo run`` and the Prefect UI run the
-same recipe with Prefect subflows (``flows/pipeline.py``).
+"""The recipe (:mod:`grpo.pipeline.recipe`) run in this process, stage by stage as plain calls: what every rank runs
+under ``torchrun`` / ``accelerate launch``, and what tests and benchmarks run. ``grpo run`` and the Prefect UI run
+the same recipe with Prefect subflows (``flows/pipeline.py``).
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ from grpo.config import ExperimentConfig
 from grpo.pipeline import stages
 from grpo.pipeline.recipe import run_recipe
 from grpo.pipeline.run_context import RunContext
-from grpo.tracking.tracker import MlflowTracker
 from grpo.runs import RunDir
+from grpo.tracking.tracker import MlflowTracker
 
 __all__ = ["LocalStages", "run_experiment"]
 
 
 class LocalStages:
-    """Each stage as a direct call into :mod:`grpo.pipeline.stages` (prep and plan through their content-addressed caches)."""
+    """Each stage as a direct call into :mod:`grpo.pipeline.stages` (prep and plan through their content-addressed
+    caches)."""
 
     def started(self, run: RunDir, tracker: MlflowTracker | None) -> None:
         pass

@@ -1,8 +1,8 @@
 """The pipeline's dataset-prep stage: raw rows -> validated train/eval parquet, a quarantine, stats and a content hash.
 
 This is the one place a source is read (synthetic task, local file or hub; chat wrapping too): ``grpo run``, the
-Prefect pipeline and :func:`grpo.pipeline.data.load_data` (``grpo plan``, tests, benchmarks) all use its output. It is the
-gate in front of training: every raw row ends up either in train/eval or in the quarantine with every rule it
+Prefect pipeline and :func:`grpo.pipeline.data.load_data` (``grpo plan``, tests, benchmarks) all use its output. It is
+the gate in front of training: every raw row ends up either in train/eval or in the quarantine with every rule it
 broke, so a bad row is visible and fixable instead of being dropped silently or crashing a reward function hours
 into a run. ``rows_in == rows_valid + rows_quarantined`` is checked on the written tables. The content hash
 versions the prepared data (same input and settings -> same hash), so a run can record exactly which data it
@@ -168,7 +168,8 @@ def prepare_dataset(
 
 
 def load_prepared(path: str | Path, *, verify: bool = True) -> DatasetDict:
-    """Read a prep output directory back as ``DatasetDict(train, eval)`` (``grpo.pipeline.data.load_data`` reads through this).
+    """Read a prep output directory back as ``DatasetDict(train, eval)`` (``grpo.pipeline.data.load_data`` reads
+    through this).
 
     With ``verify`` the content hash is recomputed and compared with ``stats.json``, so data edited after prep (or
     a half-copied directory) is refused instead of trained on under the wrong version.

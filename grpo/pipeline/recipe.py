@@ -3,10 +3,10 @@ one MLflow run. Read it top to bottom.
 
 Every path runs this function with a different :class:`StageRunner`: ``grpo run`` and the Prefect UI run each stage
 as a named Prefect subflow with its caching, retries and artifacts (``flows/pipeline.py``); ``torchrun`` /
-``accelerate launch`` ranks, tests and benchmarks call the stages directly (:class:`grpo.pipeline.experiment.LocalStages`).
-So the run directory, ``summary.json`` and the MLflow run are the same on every path. The caller passes the run's
-live objects (extra trainer callbacks, the flow runs it started) in a :class:`~grpo.pipeline.run_context.RunContext`;
-the recipe puts the MLflow tracker it starts there for the stages.
+``accelerate launch`` ranks, tests and benchmarks call the stages directly
+(:class:`grpo.pipeline.experiment.LocalStages`). So the run directory, ``summary.json`` and the MLflow run are the same
+on every path. The caller passes the run's live objects (extra trainer callbacks, the flow runs it started) in a
+:class:`~grpo.pipeline.run_context.RunContext`; the recipe puts the MLflow tracker it starts there for the stages.
 
 Under a multi-process launch every rank trains; rank 0 alone prepares data, plans, evaluates, tracks and writes the
 summary, and gives the other ranks what they need (:func:`grpo.distributed.decide_on_main`).
@@ -22,6 +22,9 @@ from grpo import distributed
 from grpo.config import ExperimentConfig
 from grpo.console import quiet_library_noise
 from grpo.errors import DataError
+from grpo.pipeline.run_context import RunContext
+from grpo.pipeline.stages import plan_summary, prep_summary
+from grpo.runs import RunDir
 from grpo.tracking.run_tracking import (
     end_status,
     eval_metrics,
@@ -31,10 +34,7 @@ from grpo.tracking.run_tracking import (
     log_run_artifacts,
     start_run_tracking,
 )
-from grpo.pipeline.run_context import RunContext
-from grpo.pipeline.stages import plan_summary, prep_summary
 from grpo.tracking.tracker import MlflowTracker
-from grpo.runs import RunDir
 
 Log = Callable[[str], None]
 

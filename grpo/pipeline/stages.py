@@ -1,8 +1,8 @@
 """The pipeline's stages as plain functions that pass paths: prep → plan → train → eval.
 
-The recipe (:mod:`grpo.pipeline.recipe`) sequences them; :class:`grpo.pipeline.experiment.LocalStages` calls them directly and the
-Prefect flows in ``flows/`` call the same functions as subflows. Each stage reads what the previous one wrote
-(Parquet data, a plan file, a model directory) and returns a small JSON-able summary, so nothing large travels
+The recipe (:mod:`grpo.pipeline.recipe`) sequences them; :class:`grpo.pipeline.experiment.LocalStages` calls them
+directly and the Prefect flows in ``flows/`` call the same functions as subflows. Each stage reads what the previous one
+wrote (Parquet data, a plan file, a model directory) and returns a small JSON-able summary, so nothing large travels
 between stages. Prepared data and plans are cached in content-addressed directories (:mod:`grpo.pipeline.cache_dirs`).
 """
 
@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from grpo import distributed
-
 from grpo.algo.plan import prompt_token_lengths
 from grpo.config import ExperimentConfig
 from grpo.pipeline.cache_dirs import locked, plan_dir_for, prep_dir_for
@@ -65,8 +64,9 @@ def policy_stage(cfg: ExperimentConfig, data_dir: Path, log=print) -> Policy:
 
 def plan_stage(cfg: ExperimentConfig, data_dir: Path, out_dir: Path, tokenizer=None,
                overwrite: bool = False) -> dict[str, Any]:
-    """Write the prompt schedule over the prepared train rows (``plan.parquet`` + ``plan.json``); see :mod:`grpo.algo.plan`.
-    ``grpo plan`` calls this too, on the data :func:`cached_prep` prepared for the config (the rows a run trains on)."""
+    """Write the prompt schedule over the prepared train rows (``plan.parquet`` + ``plan.json``); see
+    :mod:`grpo.algo.plan`. ``grpo plan`` calls this too, on the data :func:`cached_prep` prepared for the config (the
+    rows a run trains on)."""
     prompts = list(load_prepared(data_dir)["train"]["prompt"])
     tokenizer = None if cfg.model.is_tiny else tokenizer
     texts = prompts if tokenizer is None else prompt_texts(prompts, tokenizer)

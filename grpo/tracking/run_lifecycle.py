@@ -72,7 +72,8 @@ class RunLifecycle:
             if exp is None:
                 try:
                     self.experiment_id = self.client.create_experiment(
-                        experiment_name, artifact_location=default_artifact_location(self.tracking_uri, experiment_name),
+                        experiment_name,
+                        artifact_location=default_artifact_location(self.tracking_uri, experiment_name),
                         tags=EXPERIMENT_TAGS,
                     )
                 except MlflowException:  # created concurrently

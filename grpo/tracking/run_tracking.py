@@ -14,16 +14,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from grpo.config import ExperimentConfig, flatten
-from grpo.runs import RunDir
 import yaml
 
+from grpo.config import ExperimentConfig, flatten
 from grpo.formatting import human_number
+from grpo.runs import RunDir
 from grpo.tracking.metric_keys import EVAL_ACCURACY, EVAL_PREFIX
 from grpo.tracking.model_logging import log_model
 from grpo.tracking.tracker import MlflowTracker, tracker_from_config
 from grpo.tracking.values import redact
-
 
 # The packages a result depends on, recorded as ``grpo.version.<name>`` run tags (absent ones are left out).
 KEY_PACKAGES = ("grpo-platform", "torch", "transformers", "trl", "accelerate", "peft", "datasets", "vllm", "mlflow",

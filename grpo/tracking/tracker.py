@@ -111,7 +111,8 @@ class MlflowCallback(TrainerCallback):
 
 
 def log_metrics_file(tracker: MlflowTracker, path: str | Path, prefix: str = TRAIN_PREFIX) -> int:
-    """Replay a ``metrics.jsonl`` written by :class:`grpo.training.train.MetricsRecorder` (``{"step", "metrics"}`` lines).
+    """Replay a ``metrics.jsonl`` written by :class:`grpo.training.train.MetricsRecorder` (``{"step", "metrics"}``
+    lines).
 
     Idempotent: points whose (key, step) the run already has are dropped, so replaying after a live
     :class:`MlflowCallback` or after a resume adds only what is missing. Returns the number of lines read.

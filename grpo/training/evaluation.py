@@ -73,7 +73,8 @@ def generate_completions(
                 num_return_sequences=num_return_sequences,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
-                # A trained policy's config says false (transformers' Trainer turns it off); the cache is the model's own
+                # A trained policy's config says false (transformers' Trainer turns it off); the cache is
+                # the model's own
                 use_cache=applies(GENERATION_KV_CACHE, model),
             )
             texts = tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -123,7 +123,8 @@ def _tiny_policy(cfg: ExperimentConfig, data: DatasetDict, log) -> Policy:
         t.max_position_embeddings, cfg.grpo.seed,
     )
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"policy: built tiny Qwen2 ({n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}); warm start {ws.steps} steps")
+    log(f"policy: built tiny Qwen2 ({n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}); "
+        f"warm start {ws.steps} steps")
     losses = _warm_start_with_progress(model, tokenizer, data, cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
@@ -255,7 +256,8 @@ def load_adapted(model_dir: str | Path, dtype: Any = "auto"):
 
 def save_merged_model(adapter_dir: Path, out_dir: Path) -> Path:
     """Write the adapter in ``adapter_dir`` merged into its base (``merge_and_unload``) as a plain transformers model
-    with the tokenizer, into ``out_dir`` (replaced atomically). Loaded from disk, so the trainer's model is untouched."""
+    with the tokenizer, into ``out_dir`` (replaced atomically). Loaded from disk, so the trainer's model is
+    untouched."""
     with MODEL_LOCK:
         merged = load_adapted(adapter_dir, "auto").merge_and_unload()
         tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
