@@ -209,6 +209,8 @@ def test_mlflow_ui_opens_on_the_result(mlflow_server, mlflow_ui_runs):
             page.goto(f"{uri}/#/experiments/{experiment_id}/models/{mlflow_ui_runs['model']}?workflowType="
                       "machine_learning", wait_until="load", timeout=60_000)
             page.get_by_text(re.compile(r"^Parameters \(\d+\)$")).first.wait_for(timeout=60_000)
+            # the model's metrics arrive in a request of their own, after its parameters
+            page.get_by_text("eval/accuracy", exact=True).first.wait_for(timeout=60_000)
             model_lines = [line.strip() for line in page.locator("body").inner_text().splitlines()]
             page.screenshot(path=str(out / "mlflow-logged-model.png"), full_page=True)
 

@@ -160,6 +160,21 @@ def write_trace(tracking_uri: str, info: Any, spans: list[Any]) -> str:
     return returned.trace_id
 
 
+WRITER_THREAD = "mlflow-trace-writer"
+
+
+class _QuietWriterRetries(logging.Filter):
+    """Drops urllib3's "Retrying ... connection refused" warnings of the trace writer's own requests: with the
+    tracking server down the writer retries in the background, and the training's console is not the place for it
+    (the traces dropped are counted and logged at close)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName != WRITER_THREAD
+
+
+logging.getLogger("urllib3.connectionpool").addFilter(_QuietWriterRetries())
+
+
 class EpisodeTraces:
     """The queue and writer thread of one run's episode traces; see the module docstring."""
 
@@ -173,7 +188,7 @@ class EpisodeTraces:
         self._queue: queue.Queue[dict | None] = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._work, name="mlflow-trace-writer", daemon=True)
+        self._thread = threading.Thread(target=self._work, name=WRITER_THREAD, daemon=True)
         self._thread.start()
 
     def submit(self, records: Sequence[dict[str, Any]]) -> None:
