@@ -72,22 +72,22 @@ def generation_batch_holds_whole_groups(cfg: ExperimentConfig) -> None:
     g = cfg.grpo
     gen_batch = cfg.batch_layout.generation_batch_size
     if gen_batch % g.num_generations:
-        raise ValueError(
-            f"generation batch ({gen_batch} completions) must be divisible by grpo.num_generations "
-            f"({g.num_generations}); valid num_generations: "
-            f"{[n for n in range(2, gen_batch + 1) if gen_batch % n == 0]}"
-        )
+        raise ValueError(f"generation batch ({gen_batch} completions) must be divisible by grpo.num_generations "
+                         f"({g.num_generations}); valid num_generations: {_divisors(gen_batch, start=2)}")
+
+
+def _divisors(n: int, start: int) -> list[int]:
+    """The values from ``start`` up that divide ``n``: the valid choices a divisibility message lists."""
+    return [d for d in range(start, n + 1) if n % d == 0]
 
 
 def chunks_divide_groups(cfg: ExperimentConfig) -> None:
     """``num_generations_chunks`` runs the backward on equal slices of each group's completions."""
     g = cfg.grpo
     if g.num_generations % g.num_generations_chunks:
-        raise ValueError(
-            f"grpo.num_generations ({g.num_generations}) must be divisible by grpo.num_generations_chunks "
-            f"({g.num_generations_chunks}); valid: "
-            f"{[c for c in range(1, g.num_generations + 1) if g.num_generations % c == 0]}"
-        )
+        raise ValueError(f"grpo.num_generations ({g.num_generations}) must be divisible by "
+                         f"grpo.num_generations_chunks ({g.num_generations_chunks}); valid: "
+                         f"{_divisors(g.num_generations, start=1)}")
 
 
 def chunks_fit_the_micro_batch(cfg: ExperimentConfig) -> None:
