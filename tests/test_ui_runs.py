@@ -25,15 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import (
-    SCREENSHOTS,
-    SECTION_TITLES,
-    form_property,
-    open_section,
-    open_select,
-    require_chromium,
-    submit,
-)
+from tests.browser import SCREENSHOTS, SECTION_TITLES, form_property, open_section, open_select, submit
 from tests.servers import BIN
 
 pytestmark = pytest.mark.integration
@@ -133,10 +125,10 @@ def served(prefect_server, mlflow_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def page(served):
+    from tests.browser import CHROMIUM, CHROMIUM_ARGS, require_chromium
+
     require_chromium()
     from playwright.sync_api import sync_playwright
-
-    from tests.browser import CHROMIUM, CHROMIUM_ARGS
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
