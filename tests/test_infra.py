@@ -594,8 +594,10 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
             toggle = page.locator(".deployment-schedule-card__action").get_by_role("switch")
             states = [schedule_active()]
             for _ in range(2):  # pause the cron schedule, then resume it
+                # click once the page shows the schedule's current state: a click before the card has loaded is lost
+                (expect(toggle).to_be_checked if states[-1] else expect(toggle).not_to_be_checked)(timeout=60_000)
                 toggle.click()
-                deadline = time.monotonic() + 20
+                deadline = time.monotonic() + 120
                 while schedule_active() == states[-1]:
                     assert time.monotonic() < deadline, "the UI toggle did not change the schedule"
                     time.sleep(0.3)
