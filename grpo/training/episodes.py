@@ -161,14 +161,14 @@ class EnvironmentRollouts:
     def _generate_turn(self, sequences: list[list[int]], max_new_tokens: int, stop_strings: tuple[str, ...]):
         """The episode runner's ``generate``: one batched sampling call of the current policy (the async generator's
         sampling function, so both paths sample alike), with the sampling log-prob of every token."""
-        from grpo.training.async_producer import sample_round
+        from grpo.training.async_producer import sampling_generate
 
         gc = self.generation_config
-        gen = {"max_new_tokens": max_new_tokens, "temperature": gc.temperature, "top_p": gc.top_p, "top_k": gc.top_k,
+        gen = {"temperature": gc.temperature, "top_p": gc.top_p, "top_k": gc.top_k,
                "pad_token_id": self._tokenizer.pad_token_id, "eos_token_ids": list(self.eos_token_ids),
                "shared_prompt": bool(self.experiment.async_.shared_prompt_forward)}
-        ids, logprobs = sample_round(self.accelerator.unwrap_model(self.model), sequences, gen)
-        return list(zip(ids, logprobs))
+        generate = sampling_generate(self.accelerator.unwrap_model(self.model), gen)
+        return generate(sequences, max_new_tokens, stop_strings)
 
     # ------------------------------------------------------------ faults and metrics
 
