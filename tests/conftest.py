@@ -84,8 +84,7 @@ def recorded_calls(log: Path) -> list[dict]:
 
 # Modules that take longest (servers, training, multi-process), started first so that xdist's workers finish
 # together (``--dist loadfile`` hands out whole modules in collection order). The UI path first (a default tiny run to
-# its end, a cancelled and a resumed run, a scheduled sweep), then test_training: its default-task test is the longest
-# single test (about 4 minutes under the suite's load).
+# its end, a cancelled and a resumed run, a scheduled sweep), then the rest by their measured totals.
 LONGEST_FIRST = ["test_ui_runs", "test_ui_schedule", "test_training", "test_benchmarks", "test_infra", "test_sweep",
                  "test_signals", "test_multiprocess", "test_pipeline", "test_invariants", "test_faults", "test_async",
                  "test_own_model", "test_lora", "test_off_policy", "test_plan", "test_browser_dashboard", "test_ui",

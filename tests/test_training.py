@@ -1,4 +1,6 @@
-"""Short real GRPO runs on the tiny model: reward rises, the summary is complete, and a killed run resumes."""
+"""Short real GRPO runs on the tiny model: a killed run resumes, and the run's pieces (checkpoints, plans, rewards)
+hold together. That the tiny preset learns, run to the end, is asserted on the README's main path, the served form
+(tests/test_ui_runs.py)."""
 
 from __future__ import annotations
 
@@ -21,36 +23,8 @@ from tests.conftest import MICRO, micro_overrides, recorded_calls, write_prompt_
 pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
 
 
-
 def read_metrics(run: RunDir) -> list[dict]:
     return [json.loads(line) for line in run.metrics_file.read_text().splitlines()]
-
-
-def test_default_task_mean_reward_rises(tmp_path):
-    """The default preset, shortened: GRPO on exact-answer reward raises the mean reward of sampled completions
-    and the greedy held-out accuracy (0.725 -> 0.94 in 60 steps on this machine; 0.95 after 120)."""
-    cfg = load_config("tiny", [
-        f"output_dir={tmp_path}", "grpo.max_steps=60", "grpo.logging_steps=10", "grpo.save_steps=1000",
-        "evaluation.num_prompts=200", "evaluation.pass_k=0", "tracking.backend=none",
-    ])
-    run = open_run_dir(cfg, "reward-rises", resume=False)
-    summary = run_experiment(cfg, run, log=lambda *_: None)
-
-    rewards = [row["metrics"]["reward"] for row in read_metrics(run) if "reward" in row["metrics"]]
-    assert len(rewards) == 6  # each the mean over 10 steps of 256 sampled completions
-    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
-    assert last > first + 0.03, rewards
-    assert summary["eval_accuracy_after"] >= summary["eval_accuracy_before"] + 0.1, summary
-    assert summary["steps"] == 60
-    for key in ("run_name", "steps", "wall_seconds", "eval_accuracy_before", "eval_accuracy_after", "metrics"):
-        assert key in summary
-    assert {"reward", "reward_std", "frac_reward_zero_std", "rewards/exact_match/mean", "entropy", "step_time",
-            "learning_rate", "grad_norm", "completions/mean_length"} <= set(summary["metrics"])
-    on_disk = json.loads(run.summary_file.read_text())
-    assert on_disk["eval_accuracy_after"] == summary["eval_accuracy_after"]
-    assert (run.model_dir / "config.json").is_file() and run.config_file.is_file()
-    # Saved for generation: the KV cache on (transformers' Trainer turned it off for training)
-    assert json.loads((run.model_dir / "config.json").read_text())["use_cache"] is True
 
 
 def test_killed_run_resumes_from_last_checkpoint_at_the_plans_next_step(tmp_path, prefect_server, mlflow_server):
