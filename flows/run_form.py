@@ -29,7 +29,7 @@ from typing import Annotated, Any
 from fastapi.encoders import ENCODERS_BY_TYPE
 from pydantic import MISSING, Field, WithJsonSchema
 
-from grpo.config import ExperimentConfig, flatten, load_config, presets
+from grpo.config import ExperimentConfig, load_config, presets
 from grpo.errors import GRPOPlatformError
 from grpo.formatting import human_number
 
@@ -115,15 +115,26 @@ def _for_form(prop: dict[str, Any], path: str) -> dict[str, Any]:
 
 @functools.cache
 def _preset_values() -> dict[str, dict[str, Any]]:
-    """Each preset's resolved fields by dotted key; a preset that does not load on this machine (the GPU preset
-    without vLLM) is left out of the form's descriptions."""
+    """Each preset's resolved fields by dotted key, a mapping field (``environment.kwargs``) as its whole value too,
+    not only its keys; a preset that does not load on this machine (the GPU preset without vLLM) is left out of the
+    form's descriptions."""
     values = {}
     for name in presets():
         try:
-            values[name] = flatten(load_config(name))
+            values[name] = _every_path(load_config(name).model_dump(mode="json", by_alias=True))
         except GRPOPlatformError:
             continue
     return values
+
+
+def _every_path(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = f"{prefix}.{key}" if prefix else key
+        out[path] = value
+        if isinstance(value, dict):
+            out |= _every_path(value, path)
+    return out
 
 
 def _shown(value: Any) -> str:
@@ -135,6 +146,8 @@ def _shown(value: Any) -> str:
         return human_number(value)
     if isinstance(value, list):
         return "[" + ", ".join(_shown(v) for v in value) + "]"
+    if isinstance(value, dict):  # as the preset's YAML writes it: {tool: on}
+        return "{" + ", ".join(f"{k}: {_shown(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 

@@ -178,14 +178,15 @@ def eval_flow(config: ExperimentConfig, model_source: str, data_dir: str, out_fi
     create_markdown_artifact(
         key=f"eval-{tag}",
         markdown=f"## Evaluation ({tag} training)\n\n- accuracy: **{record['accuracy']:.3f}**\n"
-                 + (f"- pass@{k}: **{record[f'pass@{k}']:.3f}**\n" if record.get(f"pass@{k}") is not None else ""),
+                 + (f"- pass@{k}: **{record[f'pass@{k}']:.3f}**\n" if record.get(f"pass@{k}") is not None else "")
+                 + "".join(f"- environment {name}: **{value:.3f}**\n" for name, value in record.get("env", {}).items()),
     )
     return record
 
 
 def summarize_for_ui(summary: dict[str, Any]) -> str:
-    """The pipeline flow run's summary artifact: the outcome first (eval accuracy and reward, before and after), then
-    where it came from (steps, data, times, MLflow run)."""
+    """The pipeline flow run's summary artifact: the outcome first (eval accuracy, pass@k, an environment's figures
+    and reward, before and after), then where it came from (steps, data, times, MLflow run)."""
     def num(v: Any, digits: int = 3) -> str:
         return "—" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
@@ -200,6 +201,10 @@ def summarize_for_ui(summary: dict[str, Any]) -> str:
             k = key.removeprefix("eval_").removesuffix("_before")
             if summary.get(key) is not None or summary.get(f"eval_{k}_after") is not None:
                 rows.append((k, change(summary.get(key), summary.get(f"eval_{k}_after"))))
+    for key in sorted(summary):  # the environment's figures (#30): success per variant, turns, tool calls
+        if key.startswith("eval_env_") and key.endswith("_before"):
+            name = key.removeprefix("eval_env_").removesuffix("_before")
+            rows.append((f"environment: {name}", change(summary.get(key), summary.get(f"eval_env_{name}_after"))))
     rows += [("reward (first → last logged step)", change(summary.get("reward_first"), summary.get("reward_last"))),
              ("optimizer steps", num(summary.get("steps"))
               + (f" (resumed from `{Path(summary['resumed_from']).name}`)" if summary.get("resumed_from") else "")),

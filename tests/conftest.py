@@ -34,8 +34,14 @@ pytest_plugins = ["tests.servers"]
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
-    """One artefact cache per test session, so tests never reuse a developer's cache (or each other's by accident)."""
-    cache = tmp_path_factory.mktemp("grpo-cache")
+    """One artefact cache per test session, so tests never reuse a developer's cache; shared by the session's xdist
+    workers (each entry is built under its lock, grpo.paths.locked), so a warm-started model is built once per
+    session, not once per worker. A test that must build its own sets GRPO_CACHE_DIR to a folder of its own."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' base folders share the session's
+        cache = tmp_path_factory.getbasetemp().parent / "grpo-cache"
+        cache.mkdir(exist_ok=True)
+    else:
+        cache = tmp_path_factory.mktemp("grpo-cache")
     old = os.environ.get("GRPO_CACHE_DIR")
     os.environ["GRPO_CACHE_DIR"] = str(cache)
     yield cache
@@ -83,12 +89,13 @@ def recorded_calls(log: Path) -> list[dict]:
 
 
 # Modules that take longest (servers, training, multi-process), started first so that xdist's workers finish
-# together (``--dist loadfile`` hands out whole modules in collection order). The UI path first (a default tiny run to
-# its end, a cancelled and a resumed run, a scheduled sweep), then the rest by their measured totals.
-LONGEST_FIRST = ["test_ui_runs", "test_ui_schedule", "test_training", "test_benchmarks", "test_infra", "test_sweep",
-                 "test_signals", "test_multiprocess", "test_pipeline", "test_invariants", "test_faults", "test_async",
-                 "test_own_model", "test_lora", "test_off_policy", "test_plan", "test_browser_dashboard", "test_ui",
-                 "test_tracking"]
+# together (``--dist loadfile`` hands out whole modules in collection order): by their totals in an idle clean-clone
+# run (`--durations=0`), the UI path first (a default tiny run to its end, a cancelled, a resumed, an environment run).
+LONGEST_FIRST = ["test_ui_runs", "test_signals", "test_benchmarks", "test_invariants", "test_infra", "test_ui_schedule",
+                 "test_sweep", "test_multiprocess", "test_pipeline", "test_training", "test_async", "test_faults",
+                 "test_ui", "test_architectures", "test_openenv", "test_tracking", "test_cli", "test_policy",
+                 "test_traces", "test_dashboard", "test_plan", "test_async_episodes", "test_browser_dashboard",
+                 "test_own_model", "test_lora", "test_off_policy"]
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -194,6 +194,10 @@ PROBES: dict[str, Row] = {
     "env_ga1_balancing_skip": {**BASE, "env": "guess_digit", "balancing": True, "skip": True},
     # an environment that fails on rank 1 only (reward NaN for those episodes): the run goes on, ranks stay identical
     "env_failing_on_one_rank": {**BASE, "env": "invariant_flaky", "chunks": 2, "ga": 2},
+    # rounds of episodes from the async generator process, with IS correction over the model's tokens only and
+    # chunks (compared with the unchunked async environment step)
+    "env_async_is_chunks": {**BASE, "env": "guess_digit", "async": True, "is_mode": "token_truncate", "chunks": 2,
+                            "ga": 2},
 }
 ENV_PROBES = [name for name, row in PROBES.items() if row.get("env")]
 
@@ -391,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
                           compacted=_metric_total(probe.logs, "compaction/rows_skipped_frac"),
                           rerolled=_metric_total(probe.logs, "reroll_injected"),
                           env_tokens=_metric_total(probe.logs, "env/env_tokens/mean"),
-                          env_errors=_metric_total(probe.logs, "env/errors"))
+                          env_errors=_metric_total(probe.logs, "env/errors"),
+                          async_rounds=sum("async/generate_s" in entry for entry in probe.logs),
+                          is_ratio_logged=sum("sampling/importance_sampling_ratio/mean" in e for e in probe.logs))
             neutral = neutral_options(row, world)
             if neutral:
                 ref_row = reference(row, neutral)

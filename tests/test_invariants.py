@@ -156,9 +156,10 @@ def test_lora_under_ddp_keeps_ranks_identical_with_the_async_generator(two_proce
 
 @pytest.mark.parametrize("launch", ["one_process", "two_processes"])
 def test_environment_episodes_keep_ranks_identical_and_neutral_features_neutral(launch, request):
-    """Multi-turn episodes (#30): every rank holds the same weights after every step, one gradient synchronisation
-    per step, and chunks, compaction, the shared-prompt forward (and on 2 processes balancing and the zero-advantage
-    skip) leave the step with environment tokens unchanged."""
+    """Multi-turn episodes (#30), sync and from the async generator with IS correction: every rank holds the same
+    weights after every step, one gradient synchronisation per step, and chunks, compaction, the shared-prompt
+    forward (and on 2 processes balancing and the zero-advantage skip) leave the step with environment tokens
+    unchanged."""
     report = request.getfixturevalue(launch)
     for name in ENV_PROBES:
         record = _record(report, name)
@@ -167,6 +168,8 @@ def test_environment_episodes_keep_ranks_identical_and_neutral_features_neutral(
         assert len({h[0] for h in record["hashes"]}) >= 2  # the weights moved (the skip probe skips a flat round)
         assert record["env_tokens"] > 0, "no environment token: the probe tested single-turn completions"
         assert record.get("neutral") and record["neutral_rel"] < REL, record
+    async_probe = _record(report, "env_async_is_chunks")
+    assert async_probe["async_rounds"] > 0 and async_probe["is_ratio_logged"] > 0  # episodes from the generator
     if launch == "two_processes":
         assert "balancing" in _record(report, "env_ga1_balancing_skip")["neutral"]
         assert _record(report, "env_failing_on_one_rank")["env_errors"] > 0  # failed on rank 1, and nothing hung

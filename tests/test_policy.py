@@ -94,7 +94,58 @@ def test_the_cached_policy_is_the_same_bytes_whoever_builds_it(tmp_path, monkeyp
     env = {**os.environ, "GRPO_CACHE_DIR": str(tmp_path / "there"), "OMP_NUM_THREADS": "2"}
     subprocess.run([sys.executable, "-c", BUILD_IN_A_FRESH_PROCESS, str(MICRO), *overrides], env=env, check=True,
                    timeout=600)
-    here, there = (next((tmp_path / d).glob("tiny-*")) for d in ("here", "there"))
+    here, there = (next(p for p in (tmp_path / d).glob("tiny-*") if p.is_dir()) for d in ("here", "there"))
     assert here.name == there.name  # the same cache key
     for name in ("model.safetensors", "done.json", "config.json"):
         assert (here / name).read_bytes() == (there / name).read_bytes(), name
+
+
+LOAD_AND_SAY = """
+import sys
+from grpo.config import load_config
+from grpo.pipeline.data import load_data
+from grpo.training.policy import load_policy
+cfg = load_config(sys.argv[1], sys.argv[2:])
+print("cached" if load_policy(cfg, load_data(cfg), log=print).cached else "built")
+"""
+
+
+def _waiting_on(lock_file) -> bool:
+    """Whether a process waits for the flock on ``lock_file`` (a blocked waiter is a ``->`` line of /proc/locks)."""
+    inode = f":{os.stat(lock_file).st_ino} "
+    return any("->" in line and "FLOCK" in line and inode in line for line in open("/proc/locks"))
+
+
+def test_a_second_process_needing_the_model_being_built_waits_for_it_and_loads_it(tmp_path, monkeypatch):
+    """The tiny model is built under its cache entry's lock: a process that needs the entry while another builds it
+    waits (forced here: the test holds the lock and checks the second process is blocked on it, not timed), then
+    loads what the builder wrote instead of building it again. Parallel test workers, sweep trials and ranks so
+    build each warm start once."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from grpo.paths import locked
+    from grpo.training.policy import policy_alphabet, tiny_cache_key
+    from tests.conftest import MICRO
+
+    overrides = ["model.warm_start.steps=5"]
+    cfg = load_config(MICRO, overrides)
+    monkeypatch.setenv("GRPO_CACHE_DIR", str(tmp_path / "elsewhere"))
+    data = load_data(cfg)
+    built = load_policy(cfg, data, log=lambda *_: None)  # what the other builder will have written
+    entry = tmp_path / "shared" / f"tiny-{tiny_cache_key(cfg, policy_alphabet(data, cfg))}"
+    env = {**os.environ, "GRPO_CACHE_DIR": str(entry.parent)}
+    with locked(entry):  # a builder is at work on the entry
+        second = subprocess.Popen([sys.executable, "-c", LOAD_AND_SAY, str(MICRO), *overrides], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 600
+        while not _waiting_on(entry.with_name(entry.name + ".lock")):
+            assert second.poll() is None, f"the second process did not wait for the builder: {second.stdout.read()}"
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        shutil.copytree(built.source, entry)  # the builder finishes
+    out, _ = second.communicate(timeout=600)
+    assert second.returncode == 0, out
+    assert out.splitlines()[-1] == "cached" and f"reusing cached tiny model {entry}" in out, out

@@ -79,7 +79,7 @@ def test_quarantine_lists_every_rule_of_every_bad_row(tmp_path):
     ]
     stats = result.stats
     assert stats["rules"]["answer_type"] == 2 and stats["rules"]["duplicate_prompt"] == 2
-    assert set(stats["rules"]) == set(RULES)
+    assert set(stats["rules"]) == set(RULES) - {"environment_unknown"}  # that one: the test below
     assert stats["prompt_chars"] == {"min": 3, "mean": 3.0, "p50": 3.0, "p95": 3.0, "max": 3}
     assert json.loads(result.paths["stats"].read_text()) == stats
 
@@ -93,6 +93,31 @@ def test_quarantine_lists_every_rule_of_every_bad_row(tmp_path):
     assert reasons[14]["answer"] == "5" and reasons[15]["prompt"] == '["not", "text"]'
     assert reasons[17]["reason"].startswith("line 18: invalid JSON")
     assert {r["split"] for r in reasons.values()} <= {"train", "eval"}
+
+
+def test_rows_routed_to_an_unregistered_environment_are_quarantined_with_the_registered_names(tmp_path):
+    """A run on environments checks the ``environment`` column against the registered names: a typo would fail its
+    episode in every round it is drawn, so it is quarantined at prep with the valid names; an empty value means the
+    config's environment. Without environments the column is an ordinary extra column."""
+    routes = ["calculator", None, "", "calculater", "guess_digit", 7, "calculator", None, "guess_digit", "", None, None]
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1), "environment": env} for i, env in enumerate(routes)]
+    path = write_jsonl(tmp_path / "routed.jsonl", rows)
+    result = prepare_dataset(cfg_for(path, eval_fraction=0.3), tmp_path / "out",
+                             environments=["guess_digit", "calculator"])
+    assert quarantine_of(result) == {3: ["environment_unknown"], 5: ["environment_unknown"]}
+    assert_reconciles(result, len(rows))
+    assert result.stats["rules"] == {"environment_unknown": 2}
+    reasons = {r["source_row"]: r["reason"] for r in map(json.loads, result.paths["quarantine_jsonl"].read_text()
+                                                          .splitlines())}
+    assert reasons[3] == ("environment column 'environment' is 'calculater', not a registered environment; "
+                          "registered: ['calculator', 'guess_digit'] (add one with @register_environment and "
+                          "--env-module, or leave the value empty for the config's environment.name)")
+    kept = {r["prompt"]: r["environment"] for r in prepared_rows(result)}
+    assert kept == {f"{i}+1=": env for i, env in enumerate(routes) if i not in (3, 5)}
+
+    del rows[5]  # an int among strings: parquet can not hold the column without the check
+    plain = prepare_dataset(cfg_for(write_jsonl(tmp_path / "plain.jsonl", rows), eval_fraction=0.3), tmp_path / "p")
+    assert plain.stats["rows_quarantined"] == 0 and len(prepared_rows(plain)) == len(rows)  # no environments: kept
 
 
 def test_csv_keeps_text_and_chat_format(tmp_path):

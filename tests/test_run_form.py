@@ -59,6 +59,17 @@ def test_section_fields_have_no_defaults_and_unambiguous_titles():
                   "model.warm_start.learning_rate": "Learning Rate (Warm Start)"}
 
 
+def test_each_fields_help_names_every_presets_value_mappings_whole():
+    """A mapping field's help shows each preset's whole value (tiny-calculator's ``{tool: on}``), not "Every preset:
+    {}" read from the presets where it happens to be empty; registered names are the dropdowns' options."""
+    env = section_schemas()["environment_settings"]["properties"]
+    assert env["kwargs"]["description"].endswith("Presets tiny: {}; tiny-calculator: {tool: on}; tiny-guess-digit: {}.")
+    variants = section_schemas()["evaluation_settings"]["properties"]["environment_variants"]["description"]
+    assert "tiny-calculator: {tool_off: {tool: off}};" in variants
+    assert {"calculator", "guess_digit", "openenv"} <= set(env["name"]["enum"])
+    assert "calculator" in env["tools"]["items"]["enum"]
+
+
 def test_what_the_form_sets_changes_only_those_fields_of_the_chosen_preset():
     tiny = load_config("tiny")
     settings = form_settings(

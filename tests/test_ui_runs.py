@@ -337,6 +337,61 @@ def test_a_changed_run_stopped_mid_step_resumes_from_the_form(served, page):
     assert not any("Traceback" in entry["message"] for entry in logs), [e["message"] for e in logs]
 
 
+def test_an_environment_preset_from_the_form_trains_on_episodes_and_its_summary_shows_the_environment(served, page):
+    """Preset → tiny-calculator, shortened in the form (training steps, batch size, the warm start's steps, evaluation
+    prompts): the Environments and tools section offers the registered environments and tools as dropdowns, the run
+    trains on episodes, and the pipeline run's summary shows the environment's figures before and after, tool on and
+    off."""
+    from playwright.sync_api import expect
+
+    from grpo.config import flatten, load_config
+
+    deployment_id = _run_page(page, served)
+    known = _known(served, deployment_id)
+    preset = form_property(page, "Preset")
+    open_select(page, preset)
+    page.get_by_role("option", name="tiny-calculator", exact=True).click()
+    expect(preset.locator(".p-select-button__value")).to_have_text("tiny-calculator")
+    form_property(page, "Training steps").locator("input").fill("4")
+    form_property(page, "Batch size (completions per device per step)").locator("input").fill("64")
+    form_property(page, "MLflow run name").locator("textarea").fill("ui-calculator")
+    open_section(page, "Model")
+    form_property(page, "Steps").locator("input").fill("100")  # the warm start's
+    open_section(page, "Environments and tools")
+    environment = form_property(page, "Name (Environments and tools)")
+    assert open_select(page, environment) == ["calculator", "guess_digit", "openenv"]  # the built-ins: registered
+    page.keyboard.press("Escape")
+    assert "tiny-calculator: calculator" in environment.inner_text()  # the presets' values in its help
+    assert open_select(page, form_property(page, "Tools")) == ["calculator"]
+    page.keyboard.press("Escape")
+    open_section(page, "Evaluation")
+    form_property(page, "Num Prompts").locator("input").fill("40")
+    form_property(page, "Environments and tools").scroll_into_view_if_needed()
+    page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-environment.png"))
+    created = submit(page, served.server, deployment_id, known)
+    run = served.wait(created["id"])
+    assert run["state"]["type"] == "COMPLETED", (run["state"], served.log.read_text()[-4000:])
+
+    run_dir = served.home / "runs" / "ui-calculator"
+    calculator = flatten(load_config("tiny-calculator"))
+    assert {k: v for k, v in _flat_config(run_dir / "config.yaml").items() if calculator[k] != v} == {
+        "grpo.max_steps": 4, "grpo.per_device_train_batch_size": 64, "model.warm_start.steps": 100,
+        "evaluation.num_prompts": 40}
+    logged = [json.loads(line)["metrics"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(row.get("env/turns/mean", 0) >= 1 and "env/tools/calculator/calls" in row for row in logged), logged
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for figure in ("tool_call_rate", "turns_mean", "tool_off_accuracy"):
+        assert summary[f"eval_env_{figure}_before"] is not None and summary[f"eval_env_{figure}_after"] is not None
+    [artifact] = served.server.post("artifacts/filter", {"artifacts": {
+        "key": {"any_": ["grpo-run-summary"]}, "flow_run_id": {"any_": [created["id"]]}}}).json()
+    assert "| environment: tool_off_accuracy |" in artifact["data"], artifact["data"]
+    ui = served.server.url.removesuffix("/api")
+    page.goto(f"{ui}/runs/flow-run/{created['id']}", wait_until="networkidle")
+    page.get_by_text("Artifacts", exact=True).first.click()
+    expect(page.get_by_text("grpo-run-summary").first).to_be_visible(timeout=30_000)
+    page.screenshot(path=str(SCREENSHOTS / "prefect-flow-run-environment.png"))
+
+
 def test_the_readme_api_parameters_run(served):
     """README: "Through the API, a run's parameters are the same names"; its example, with fewer steps."""
     deployment_id = served.deployment()["id"]

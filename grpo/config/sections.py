@@ -460,8 +460,9 @@ class EnvironmentSection(_Section):
     )
     max_concurrency: int = Field(16, ge=1, description="Environment steps run at once (a bounded thread pool).")
     trace_episodes_per_log: int = Field(
-        4, ge=0, description="Episodes of each generation batch (the first ones, main process) written to MLflow as "
-        "traces (an agent span with one span per model turn and per tool call), off the training thread. 0: none."
+        4, ge=0, description="Episodes written to MLflow as traces per logging interval (the first ones of the "
+        "interval's first generation batch, main process): an agent span with one span per model turn and per tool "
+        "call, written off the training thread. 0: none."
     )
 
     @property

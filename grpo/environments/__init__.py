@@ -70,6 +70,13 @@ def available_environments() -> list[str]:
     return ENVIRONMENTS.names()
 
 
+def routable_environments(env_cfg: Any) -> list[str] | None:
+    """The names a dataset row's ``environment`` column may route to (the ``environment`` config section given):
+    every registered environment when the run trains on environments (prep quarantines rows naming another), else
+    None, and the column is an ordinary extra column."""
+    return available_environments() if env_cfg.enabled else None
+
+
 def available_tools() -> list[str]:
     return TOOLS.names()
 
@@ -112,5 +119,5 @@ __all__ = [
     "ENVIRONMENTS", "MODULES_ENV", "TOOLS", "ConcurrencyLimit", "Environment", "StepResult", "ToolCall",
     "ToolEnvironment", "available_environments", "available_tools", "environment_alphabet", "get_environment",
     "get_tool", "load_environment_module",
-    "make_environment", "register_environment", "register_tool", "tool_schema",
+    "make_environment", "register_environment", "register_tool", "routable_environments", "tool_schema",
 ]

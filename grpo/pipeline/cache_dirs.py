@@ -7,13 +7,10 @@ and every path (``grpo run``, the Prefect UI, torchrun ranks, benchmarks) finds 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib
 import inspect
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -41,9 +38,12 @@ def stage_key(kind: str, payload: dict[str, Any], modules: tuple[str | ModuleTyp
 def prep_dir_for(cfg: ExperimentConfig) -> Path:
     """Content-addressed location of prepared data: the same data config, source contents and code always land in
     one place, and an edited source file lands in a new one."""
+    from grpo.environments import routable_environments
     from grpo.pipeline.prep import source_fingerprint
 
     payload = {**cfg.data.model_dump(mode="json"), "source_fingerprint": source_fingerprint(cfg.data)}
+    if (environments := routable_environments(cfg.environment)) is not None:  # a new name re-validates the rows
+        payload["environments"] = environments
     return cache_root() / "prepared" / stage_key("prep", payload, PREP_CODE)
 
 
@@ -75,17 +75,3 @@ def tokenizer_fingerprint(name_or_path: str) -> str:
                 "chat_template.jinja", "vocab.json", "merges.txt", "special_tokens_map.json"}):
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return f"{folder.resolve()}:{digest.hexdigest()[:16]}"
-
-
-@contextmanager
-def locked(out_dir: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``out_dir`` (a sibling ``.lock`` file) across processes, so two runs that need the
-    same cached output (parallel tests, sweep trials, ranks) compute it once and never read it half-written."""
-    lock_file = out_dir.with_name(out_dir.name + ".lock")
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    with lock_file.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

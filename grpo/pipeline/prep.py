@@ -18,7 +18,7 @@ import math
 import numbers
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -49,8 +49,11 @@ RULES: dict[str, str] = {
     "answer_regex": "answer does not match answer_regex",
     "answer_empty": "answer (after answer_regex) empty or whitespace only",
     "answer_too_long": "answer (after answer_regex) longer than max_answer_chars",
+    "environment_unknown": "the environment column names no registered environment (rows routed by name, #30)",
     "duplicate_prompt": "prompt repeats a kept row's prompt (duplicates='drop')",
 }
+# The column that routes a row to an environment by its registered name (TRL's dict of environment factories).
+ENVIRONMENT_COLUMN = "environment"
 # Roles a conversational prompt may use (TRL's conversational format: a list of {"role", "content"} messages).
 MESSAGE_ROLES = ("system", "user", "assistant")
 _QUARANTINE_SCHEMA = pyarrow.schema([
@@ -74,6 +77,7 @@ class _Limits:
     max_prompt: int
     max_answer: int
     pattern: re.Pattern[str] | None
+    environments: tuple[str, ...] | None = None  # registered environment names, when the run has environments
 
 
 @dataclass
@@ -95,13 +99,16 @@ def prepare_dataset(
     max_answer_chars: int = 512,
     duplicates: Duplicates = "drop",
     min_rows: int = 1,
+    environments: Sequence[str] | None = None,
 ) -> PrepResult:
     """Validate ``cfg``'s source and write train/eval parquet, the quarantine, ``stats.json`` (with ``content_hash``).
 
     Raises :class:`DataError` for an unreadable source, missing columns, duplicates under ``duplicates='error'``,
     or a split left with fewer than ``min_rows`` valid rows (the quarantine is written first, to look at).
     ``max_prompt_chars`` measures the prompt text before chat wrapping; ``max_answer_chars`` the answer after
-    ``answer_regex``. See :data:`RULES` for what sends a row to the quarantine.
+    ``answer_regex``. ``environments``: the registered environment names when the run trains on environments; a row
+    whose ``environment`` column names another is quarantined (an empty value means the config's environment).
+    See :data:`RULES` for what sends a row to the quarantine.
     """
     if max_prompt_chars < 1 or max_answer_chars < 1 or min_rows < 1:
         raise ValueError(
@@ -110,7 +117,8 @@ def prepare_dataset(
         )
     if duplicates not in ("drop", "keep", "error"):
         raise ValueError(f"duplicates must be 'drop', 'keep' or 'error', got {duplicates!r}")
-    limits = _Limits(max_prompt_chars, max_answer_chars, _compile_answer_regex(cfg.answer_regex))
+    limits = _Limits(max_prompt_chars, max_answer_chars, _compile_answer_regex(cfg.answer_regex),
+                     tuple(sorted(environments)) if environments is not None else None)
     pattern = limits.pattern
     out_dir = Path(out_dir)
     raw = _load_raw(cfg)
@@ -126,6 +134,7 @@ def prepare_dataset(
     answers = [_answer_value(r.get(cfg.answer_column)) if r else None for r in raw.records]
     frame = pd.DataFrame({"prompt": pd.Series(prompts, dtype=object), "answer": pd.Series(answers, dtype=object)})
     failures = _validate(frame, raw, limits)
+    _check_environments(raw, failures, limits.environments)
     dup_notes = _check_duplicates(frame, failures, raw, duplicates, cfg.source)
     valid = [i for i in range(len(frame)) if i not in failures]
 
@@ -466,6 +475,18 @@ def _validate(frame: pd.DataFrame, raw: _Raw, limits: _Limits) -> dict[int, list
     return {i: sorted(set(rules), key=order.index) for i, rules in sorted(failures.items())}
 
 
+def _check_environments(raw: _Raw, failures: dict[int, list[str]], names: tuple[str, ...] | None) -> None:
+    """Quarantine rows whose ``environment`` column names no registered environment: each would fail its episode at
+    reset in every round it is drawn, so it is rejected here with the valid names instead."""
+    if names is None:
+        return
+    order = list(RULES)
+    for i, rec in enumerate(raw.records):
+        value = _null_to_none(rec.get(ENVIRONMENT_COLUMN)) if rec else None
+        if value is not None and value != "" and value not in names:
+            failures[i] = sorted({*failures.get(i, []), "environment_unknown"}, key=order.index)
+
+
 def _check_duplicates(
     frame: pd.DataFrame, failures: dict[int, list[str]], raw: _Raw, policy: Duplicates, source: str
 ) -> dict[int, str]:
@@ -579,6 +600,10 @@ def _reason(rule: str, i: int, cfg: DataConfig, raw: _Raw, frame: pd.DataFrame, 
             return f"{label} has {len(extracted or '')} chars, more than max_answer_chars={limits.max_answer}"
         case "duplicate_prompt":
             return f"prompt column {pc} {dup_notes[i]}"
+        case "environment_unknown":
+            return (f"environment column {ENVIRONMENT_COLUMN!r} is {rec.get(ENVIRONMENT_COLUMN)!r}, not a registered "
+                    f"environment; registered: {list(limits.environments or ())} (add one with @register_environment "
+                    "and --env-module, or leave the value empty for the config's environment.name)")
     raise RuntimeError(f"prep: no reason text for rule {rule!r}")
 
 

@@ -17,7 +17,9 @@ from typing import Any
 from grpo import distributed
 from grpo.algo.plan import prompt_token_lengths
 from grpo.config import ExperimentConfig
-from grpo.pipeline.cache_dirs import locked, plan_dir_for, prep_dir_for
+from grpo.environments import routable_environments
+from grpo.paths import locked
+from grpo.pipeline.cache_dirs import plan_dir_for, prep_dir_for
 from grpo.pipeline.plans import build_plan
 from grpo.pipeline.prep import load_prepared, prepare_dataset
 from grpo.rewards import get_reward
@@ -32,7 +34,8 @@ def prep_stage(cfg: ExperimentConfig, out_dir: Path) -> dict[str, Any]:
     """Validate the data source into train/eval Parquet plus a quarantine of every rejected row (with its rule)."""
     d = cfg.data
     result = prepare_dataset(d, out_dir, max_prompt_chars=d.max_prompt_chars, max_answer_chars=d.max_answer_chars,
-                             duplicates=d.duplicates, min_rows=d.min_rows)
+                             duplicates=d.duplicates, min_rows=d.min_rows,
+                             environments=routable_environments(cfg.environment))
     return {**result.stats, "data_dir": str(out_dir)}
 
 

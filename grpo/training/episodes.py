@@ -184,9 +184,11 @@ class EnvironmentRollouts:
         return rewards
 
     def _offer_episode_traces(self, episodes: list[Episode]) -> None:
-        """Hand the first ``environment.trace_episodes_per_log`` training episodes of this generation batch (main
-        process) as :func:`episode_record` dicts to every trainer callback with an ``on_episodes(args, state, control,
-        episodes=...)`` method (the MLflow callback writes them as traces on its own thread; nothing here waits)."""
+        """Once per logging interval (``logging_steps``), hand the first ``environment.trace_episodes_per_log``
+        training episodes of the interval's first generation batch (main process) as :func:`episode_record` dicts to
+        every trainer callback with an ``on_episodes(args, state, control, episodes=...)`` method (the MLflow callback
+        writes them as traces on its own thread; nothing here waits). A sample, not every episode: a run logs a few
+        traces per interval whatever its batch size, so the tracking server's load follows the logging cadence."""
         n = self.experiment.environment.trace_episodes_per_log
         if n <= 0 or not self.model.training or not self.accelerator.is_main_process:
             return
@@ -194,6 +196,10 @@ class EnvironmentRollouts:
         if not hooks:
             return
         step = self.state.global_step + 1  # the first optimizer step trained on this generation batch
+        interval = (step - 1) // max(1, int(self.args.logging_steps))
+        if interval == getattr(self, "_traced_interval", None):
+            return
+        self._traced_interval = interval
         records = [episode_record(ep, _decode_text(self._tokenizer, ep.prompt_ids), step) for ep in episodes[:n]]
         for hook in hooks:
             hook(self.args, self.state, self.control, episodes=records)

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from grpo.config import ExperimentConfig
 from grpo.errors import ConfigError
-from grpo.paths import cache_root
+from grpo.paths import cache_root, locked
 from grpo.tasks import calculator_demonstrations, flawed_addition_demonstrations, guess_digit_demonstrations
 from grpo.training.graceful_stop import stop_requested
 from grpo.training.prompts import prompt_texts
@@ -106,16 +106,25 @@ def _load_policy(cfg: ExperimentConfig, data: DatasetDict, log=print) -> Policy:
 
 
 def _tiny_policy(cfg: ExperimentConfig, data: DatasetDict, log) -> Policy:
+    """The warm-started tiny model of this config, from the cache or built into it. Built under the entry's lock, so
+    processes that need the same model at once (ranks, sweep trials, parallel tests) build it once: the first
+    builds, the others wait and load it."""
     start = time.perf_counter()
     alphabet = policy_alphabet(data, cfg)
     path = cache_root() / f"tiny-{tiny_cache_key(cfg, alphabet)}"
-    if (path / "done.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        losses = json.loads((path / "done.json").read_text())["warm_start_losses"]
-        log(f"policy: reusing cached tiny model {path}")
-        return Policy(model, tokenizer, str(path), True, time.perf_counter() - start, losses)
+    if not (path / "done.json").is_file():
+        with locked(path):
+            if not (path / "done.json").is_file():
+                return _build_tiny_policy(cfg, data, alphabet, path, start, log)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    losses = json.loads((path / "done.json").read_text())["warm_start_losses"]
+    log(f"policy: reusing cached tiny model {path}")
+    return Policy(model, tokenizer, str(path), True, time.perf_counter() - start, losses)
 
+
+def _build_tiny_policy(cfg: ExperimentConfig, data: DatasetDict, alphabet: str, path: Path, start: float,
+                       log) -> Policy:
     t, ws = cfg.model.tiny, cfg.model.warm_start
     tokenizer = build_char_tokenizer(alphabet)
     model = build_tiny_qwen2(
@@ -132,7 +141,7 @@ def _tiny_policy(cfg: ExperimentConfig, data: DatasetDict, log) -> Policy:
     tokenizer.save_pretrained(tmp)
     (tmp / "done.json").write_text(json.dumps({"warm_start_losses": losses, "parameters": n_params}))
     try:
-        tmp.rename(path)  # atomic: a concurrent builder of the same key loses the race harmlessly
+        tmp.rename(path)  # atomic: a reader never sees a half-written model (a cache without the lock, e.g. NFS)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     # As if loaded from the cache: TRL builds the reference model (beta > 0) from the policy config's name_or_path.

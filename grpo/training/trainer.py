@@ -29,6 +29,7 @@ This module keeps the sequence (sampler, generation batch, loss) readable top to
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,9 @@ class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndRe
         self.experiment = experiment
         self.plan_path = Path(plan_path) if plan_path is not None else None
         self._environment_trainer_kwargs(experiment, kwargs)
-        super().__init__(*args, **kwargs)
+        with warnings.catch_warnings():  # rollout_func is how environments reach TRL here (episodes.py), by design
+            warnings.filterwarnings("ignore", message="You are using 'rollout_func'", category=UserWarning)
+            super().__init__(*args, **kwargs)
         self._init_replay()
         self._init_reward_scoring()
         self._init_async_rollouts()
