@@ -23,11 +23,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/grpo run --config tiny --run-name $(RUN_NAME)
 
-# The whole suite on TEST_WORKERS pytest-xdist workers (whole modules each, longest first: tests/conftest.py). Five on
-# 2 cores: the tests spend much of their time waiting on the processes and servers they start (a clean-clone idle run
-# kept 1.4 of the 2 cores busy with four workers), and the workers share one Prefect and one MLflow server
-# (tests/servers.py) and one artefact cache, so more workers add no servers and no second warm start.
-TEST_WORKERS ?= 5
+# The whole suite on TEST_WORKERS pytest-xdist workers (whole modules each, longest first: tests/conftest.py). Four on
+# 2 cores: the tests spend much of their time waiting on the processes and servers they start, and the workers share
+# one Prefect and one MLflow server (tests/servers.py) and one artefact cache, so a fourth worker adds no servers. Five
+# were faster (15m56s-17m51s) but the shared Prefect server's SQLite then answered 503 to a deployment in one run.
+TEST_WORKERS ?= 4
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
