@@ -159,7 +159,8 @@ def test_a_killed_server_ends_its_episodes_as_environment_errors_and_the_run_goe
 
     again, _ = play(games, envs)
     assert [ep.error is None for ep in again] == [False, True, False, True]
-    assert "Connect call failed" in again[0].error or "refused" in again[0].error.lower()
+    # the product's own line; the library's reason depends on whatever holds the freed port by now
+    assert again[0].error.startswith("environment reset: ConnectionError: OpenEnv server "), again[0].error
 
 
 def test_a_server_that_stops_answering_times_out_instead_of_hanging(serve):
