@@ -58,11 +58,9 @@ class _ReportedError(logging.Filter):
 # Environment settings of the same kind, for this process and the ones it starts (unless the user set them): MLflow's
 # progress bars of artifact uploads and downloads (one per logged model, one per dashboard of a sweep), and its "View
 # run" / "View experiment" lines at each run's end, whose links open MLflow's GenAI view (the CLI prints the run's
-# link to the training view instead: grpo.tracking.store.mlflow_ui_url); TRL's warning that `rollout_func` and
-# `environment_factory` are experimental, printed by every environment run: the platform pins TRL and lists what it
-# builds on (grpo.training.trainer.TRL_HOOKS), so the user has nothing to act on.
-QUIET_ENV = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-             "TRL_EXPERIMENTAL_SILENCE": "1"}
+# link to the training view instead: grpo.tracking.store.mlflow_ui_url). TRL's "experimental" warnings for the
+# arguments the platform passes by design are filtered where it passes them (grpo.training.trainer).
+QUIET_ENV = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 
 
 def quiet_library_noise() -> None:

@@ -153,3 +153,79 @@ def build_own_model(folder: Path, seed: int = 0, architecture: str = "qwen2") ->
     config_file = folder / "tokenizer_config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "pad_token": None}, indent=2))
     return folder
+
+
+# ---------------------------------------------------------------- a tool-calling chat model (protocol chat)
+
+
+def _tool_conversation(row: dict[str, str]) -> tuple[list[dict], list[dict]]:
+    """(prompt messages, the demonstrated turns) of an addition row: a calculator call, its answer, the sum."""
+    a, b = row["prompt"].removeprefix("What is ").removesuffix("?").split(" plus ")
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a}+{b}"}}}
+    prompt = [{"role": "user", "content": row["prompt"]}]
+    return prompt, [{"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "name": "calculator", "content": row["answer"]},
+                    {"role": "assistant", "content": row["answer"]}]
+
+
+def build_tool_calling_model(folder: Path, steps: int = 100, seed: int = 0) -> Path:
+    """A user's tool-calling chat model, built offline: a tiny Qwen2 with TRL's Qwen2.5 chat template (one TRL's tool
+    loop recognises), a byte-level BPE tokenizer trained on tool conversations, and ``steps`` of supervised
+    fine-tuning on demonstrations that call the registered ``calculator`` tool with the sum's expression, read its
+    answer and repeat it (rendered with the tool's schema, as TRL renders prompts). Saved to ``folder``."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    from grpo.environments import get_tool
+    from grpo.training.warm_start import supervised_warm_start
+
+    def tokenizer_from(corpus: list[str]) -> PreTrainedTokenizerFast:
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+            vocab_size=600, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False))
+        tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", bos_token=None, unk_token=None,
+                                      additional_special_tokens=SPECIAL[:2])
+        tok.chat_template = qwen2_5_chat_template
+        return tok
+
+    tools = [get_tool("calculator")]
+    render = tokenizer_from(["x"])  # the template renders text without a trained vocabulary
+    pairs = []
+    for row in addition_rows(800, seed=seed + 1):
+        prompt, turns = _tool_conversation(row)
+        head = render.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=False)
+        whole = render.apply_chat_template(prompt + turns, tools=tools, tokenize=False)
+        pairs.append((head, whole[len(head):].removesuffix("\n").removesuffix("<|im_end|>")))
+    folder.mkdir(parents=True, exist_ok=True)
+    trained = tokenizer_from([head + demo for head, demo in pairs[:300]])
+    trained.save_pretrained(folder)
+    config = AutoConfig.for_model(  # the prompt carries the tool's schema (~230 tokens)
+        "qwen2", **{**_ATTENTION, "max_position_embeddings": 1024}, vocab_size=len(trained),
+        tie_word_embeddings=True, eos_token_id=trained.eos_token_id, bos_token_id=None, pad_token_id=None)
+    config.save_pretrained(folder)
+    # Fine-tuned with the tokenizer as loaded from the folder: with the model's config beside it, transformers picks
+    # the model type's tokenizer class (Qwen2Tokenizer), whose pre-tokenizer splits text differently from the one
+    # trained above (233 tokens instead of 227 for a prompt); a model fine-tuned on the other split never called.
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tokenizer.pad_token = tokenizer.eos_token  # batches of demonstrations; the folder keeps no pad token
+        supervised_warm_start(model, tokenizer, [h for h, _ in pairs], [d for _, d in pairs], steps, 32, 3e-3, seed)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    return folder
+
+
+def write_tool_dataset(path: Path, n: int = 120) -> Path:
+    """Addition problems, as TRL conversational rows (the prompts the tool-calling model is fine-tuned on are another
+    sample of the same task)."""
+    rows = addition_rows(n, seed=7)
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]})
+                            + "\n" for r in rows))
+    return path

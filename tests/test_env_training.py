@@ -192,6 +192,13 @@ def test_chat_protocol_passes_trls_own_arguments(tmp_path):
         config_from_dict(base, "t")
     with pytest.raises((ConfigError, ValueError), match="text-protocol environment"):
         config_from_dict({**base, "model": {"name_or_path": "Qwen/Qwen2.5-0.5B-Instruct"}}, "t")
+    tool_use = {"environment": {"name": "tool_use", "protocol": "chat", "tools": ["calculator"]},
+                "model": {"name_or_path": "Qwen/Qwen2.5-0.5B-Instruct"}}
+    config_from_dict(tool_use, "t")
+    with pytest.raises((ConfigError, ValueError), match="async rollouts .* sample episodes ahead for protocol text"):
+        config_from_dict({**tool_use, "async": {"async_prefetch": True}}, "t")  # TRL's loop generates turn by turn
+    with pytest.raises((ConfigError, ValueError), match="'tool_use' has no step"):
+        config_from_dict({"environment": {"name": "tool_use"}}, "t")  # the text protocol steps its environment
 
     class Env:  # what TRL's environment_factory expects: reset plus public tool methods
         def __init__(self, k: int = 0) -> None:

@@ -137,8 +137,8 @@ def test_grpo_env_modules_and_entry_points_reach_a_fresh_process(tmp_path):
            "GRPO_ENV_MODULES": str(tmp_path / "file_envs.py")}
     result = subprocess.run([sys.executable, "-c", LIST_NAMES], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == ("['calculator', 'from_entry_point', 'from_file', 'guess_digit', 'openenv'] "
-                                     "['calculator', 'entry_tool', 'file_tool']")
+    assert result.stdout.strip() == ("['calculator', 'from_entry_point', 'from_file', 'guess_digit', 'openenv', "
+                                     "'tool_use'] ['calculator', 'entry_tool', 'file_tool']")
 
 
 def test_the_calculator_evaluates_integer_arithmetic_and_nothing_else():
@@ -243,7 +243,7 @@ def test_grpo_environments_lists_environments_and_tools(tmp_path):
     lines = result.stdout.splitlines()
     envs, tools = lines[1:lines.index("tools:")], lines[lines.index("tools:") + 1:]
     assert lines[0] == "environments:"
-    assert [line.split()[0] for line in envs] == ["calculator", "cli_env", "guess_digit", "openenv"]
+    assert [line.split()[0] for line in envs] == ["calculator", "cli_env", "guess_digit", "openenv", "tool_use"]
     assert "Listed from a file." in envs[1] and [line.split()[0] for line in tools] == ["calculator"]
 
 

@@ -66,7 +66,7 @@ def test_each_fields_help_names_every_presets_value_mappings_whole():
     assert env["kwargs"]["description"].endswith("Presets tiny: {}; tiny-calculator: {tool: on}; tiny-guess-digit: {}.")
     variants = section_schemas()["evaluation_settings"]["properties"]["environment_variants"]["description"]
     assert "tiny-calculator: {tool_off: {tool: off}};" in variants
-    assert {"calculator", "guess_digit", "openenv"} <= set(env["name"]["enum"])
+    assert {"calculator", "guess_digit", "openenv", "tool_use"} <= set(env["name"]["enum"])
     assert "calculator" in env["tools"]["items"]["enum"]
 
 

@@ -302,6 +302,30 @@ def chat_protocol_takes_trl_environments(cfg: ExperimentConfig) -> None:
                          f"text, or an environment written for TRL's environment_factory")
 
 
+
+def text_protocol_steps_its_environment(cfg: ExperimentConfig) -> None:
+    """The text protocol calls ``step(action)`` after every model turn; an environment class without one is written
+    for TRL's tool loop (its public methods are tools)."""
+    env = cfg.environment
+    if not (env.enabled and env.protocol == "text"):
+        return
+    from grpo.environments import get_environment
+
+    factory = get_environment(env.name)
+    if isinstance(factory, type) and not callable(getattr(factory, "step", None)):
+        raise ValueError(f"environment.protocol 'text': {env.name!r} has no step(action); it is an environment for "
+                         f"TRL's tool loop: use environment.protocol: chat")
+
+def chat_protocol_trains_synchronously(cfg: ExperimentConfig) -> None:
+    """TRL's tool loop generates each turn in the trainer once the previous turn's tools have answered; async rollouts
+    sample whole rounds ahead in the generator process, which runs episodes of the text protocol only. Without this
+    rule every tool turn would be served from the round cache, with prompts the producer never saw."""
+    env, a = cfg.environment, cfg.async_
+    if env.enabled and env.protocol == "chat" and (a.use_data_producer or a.async_prefetch):
+        raise ValueError("environment.protocol 'chat' runs TRL's tool loop in the trainer, turn by turn; async "
+                         "rollouts (async.use_data_producer / async.async_prefetch) sample episodes ahead for protocol "
+                         "text only: turn them off, or use environment.protocol: text")
+
 # ---------------------------------------------------------------- model and prompts
 
 
@@ -436,6 +460,8 @@ RULES: tuple[Callable[[ExperimentConfig], None], ...] = (
     chat_protocol_needs_a_chat_model,
     environment_tools_need_a_tool_environment,
     chat_protocol_takes_trl_environments,
+    chat_protocol_trains_synchronously,
+    text_protocol_steps_its_environment,
 )
 
 

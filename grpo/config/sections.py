@@ -432,8 +432,8 @@ class EnvironmentSection(_Section):
     name: str | None = Field(
         None,
         description="Registered environment each episode runs in (built-ins: calculator, guess_digit; openenv: one "
-        "behind an OpenEnv server). Empty: single-turn completions. A dataset column `environment` routes each row "
-        "to the environment it names.",
+        "behind an OpenEnv server; tool_use: protocol chat with only `tools`). Empty: single-turn completions. A "
+        "dataset column `environment` routes each row to the environment it names.",
         json_schema_extra=environment_enum,
     )
     kwargs: dict[str, Any] = Field(

@@ -32,6 +32,9 @@ Tool = Callable[..., Any]
 ENVIRONMENTS_ENTRY_POINT_GROUP = "grpo.environments"
 TOOLS_ENTRY_POINT_GROUP = "grpo.tools"
 MODULES_ENV = "GRPO_ENV_MODULES"
+ROUTING_COLUMN = "environment"
+"""The dataset column naming each row's environment (TRL's dict of environment factories): prep quarantines a row
+naming no registered one, and rollouts and evaluation build the environment it names."""
 
 
 def _tool_named(name: str, fn: Tool) -> None:

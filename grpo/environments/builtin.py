@@ -162,3 +162,13 @@ class GuessDigitEnvironment(Environment):
             return StepResult("=", True, 1.0)
         feedback = "<" if guess < self.digit else ">"
         return StepResult(feedback, self.guesses >= self.max_guesses, 0.0)
+
+
+@register_environment("tool_use")
+class ToolUseEnvironment:
+    """Protocol chat: the conversation itself, with no state of its own, as ``trl.GRPOTrainer(tools=...)`` trains:
+    the model may call the ``environment.tools`` between its turns (TRL's tool loop), and the run's reward functions
+    score its last message. Not an ``Environment``: it has no ``step``, so the text protocol refuses it at load."""
+
+    def reset(self, **row: Any) -> None:
+        return None

@@ -53,7 +53,8 @@ def plan_dir_for(cfg: ExperimentConfig, data_hash: str) -> Path:
     payload = {"data": data_hash, "layout": cfg.batch_layout.cache_key_payload(),
                "sampling": cfg.sampling.model_dump(mode="json"),
                "grpo": {"max_steps": cfg.grpo.max_steps, "seed": cfg.grpo.seed},
-               "tokenizer": tokenizer_fingerprint(cfg.model.name_or_path), **_chat_template_key(cfg)}
+               "tokenizer": tokenizer_fingerprint(cfg.model.name_or_path), **_chat_template_key(cfg),
+               **_chat_tools_key(cfg)}
     return cache_root() / "plans" / stage_key("plan", payload, PLAN_CODE)
 
 
@@ -61,6 +62,15 @@ def _chat_template_key(cfg) -> dict[str, str]:
     """The plan's key part for ``model.chat_template`` (none when unset, so earlier plans keep their keys)."""
     text = cfg.model.chat_template_text()
     return {"chat_template": hashlib.sha256(text.encode()).hexdigest()[:16]} if text else {}
+
+
+def _chat_tools_key(cfg) -> dict[str, Any]:
+    """The plan's key part for protocol chat, whose prompts carry the tools' schemas (none otherwise, so earlier plans
+    keep their keys)."""
+    env = cfg.environment
+    if not (env.enabled and env.protocol == "chat"):
+        return {}
+    return {"chat_tools": {"name": env.name, "kwargs": env.kwargs, "tools": env.tools}}
 
 
 def tokenizer_fingerprint(name_or_path: str) -> str:

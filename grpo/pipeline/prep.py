@@ -32,6 +32,7 @@ from datasets import Dataset, DatasetDict
 from pandera.errors import SchemaErrors
 
 from grpo.config import DataConfig
+from grpo.environments import ROUTING_COLUMN
 from grpo.errors import DataError
 
 Duplicates = Literal["drop", "keep", "error"]
@@ -52,8 +53,6 @@ RULES: dict[str, str] = {
     "environment_unknown": "the environment column names no registered environment (rows routed by name, #30)",
     "duplicate_prompt": "prompt repeats a kept row's prompt (duplicates='drop')",
 }
-# The column that routes a row to an environment by its registered name (TRL's dict of environment factories).
-ENVIRONMENT_COLUMN = "environment"
 # Roles a conversational prompt may use (TRL's conversational format: a list of {"role", "content"} messages).
 MESSAGE_ROLES = ("system", "user", "assistant")
 _QUARANTINE_SCHEMA = pyarrow.schema([
@@ -482,7 +481,7 @@ def _check_environments(raw: _Raw, failures: dict[int, list[str]], names: tuple[
         return
     order = list(RULES)
     for i, rec in enumerate(raw.records):
-        value = _null_to_none(rec.get(ENVIRONMENT_COLUMN)) if rec else None
+        value = _null_to_none(rec.get(ROUTING_COLUMN)) if rec else None
         if value is not None and value != "" and value not in names:
             failures[i] = sorted({*failures.get(i, []), "environment_unknown"}, key=order.index)
 
@@ -601,7 +600,7 @@ def _reason(rule: str, i: int, cfg: DataConfig, raw: _Raw, frame: pd.DataFrame, 
         case "duplicate_prompt":
             return f"prompt column {pc} {dup_notes[i]}"
         case "environment_unknown":
-            return (f"environment column {ENVIRONMENT_COLUMN!r} is {rec.get(ENVIRONMENT_COLUMN)!r}, not a registered "
+            return (f"environment column {ROUTING_COLUMN!r} is {rec.get(ROUTING_COLUMN)!r}, not a registered "
                     f"environment; registered: {list(limits.environments or ())} (add one with @register_environment "
                     "and --env-module, or leave the value empty for the config's environment.name)")
     raise RuntimeError(f"prep: no reason text for rule {rule!r}")

@@ -18,6 +18,7 @@ from grpo import distributed
 from grpo.algo.plan import prompt_token_lengths
 from grpo.config import ExperimentConfig
 from grpo.environments import routable_environments
+from grpo.environments.chat import config_chat_tools
 from grpo.paths import locked
 from grpo.pipeline.cache_dirs import plan_dir_for, prep_dir_for
 from grpo.pipeline.plans import build_plan
@@ -72,7 +73,7 @@ def plan_stage(cfg: ExperimentConfig, data_dir: Path, out_dir: Path, tokenizer=N
     rows a run trains on)."""
     prompts = list(load_prepared(data_dir)["train"]["prompt"])
     tokenizer = None if cfg.model.is_tiny else tokenizer
-    texts = prompts if tokenizer is None else prompt_texts(prompts, tokenizer)
+    texts = prompts if tokenizer is None else prompt_texts(prompts, tokenizer, config_chat_tools(cfg.environment))
     summary = build_plan(cfg, prompt_token_lengths(texts, tokenizer), out_dir, overwrite=overwrite)
     return {**summary.to_dict(), "plan_path": str(out_dir / "plan.parquet")}
 
@@ -116,7 +117,8 @@ def eval_stage(cfg: ExperimentConfig, policy: Policy, data_dir: Path, out_file: 
             variants=cfg.evaluation.environment_variants, max_turns=env.max_turns,
             max_completion_length=cfg.grpo.max_completion_length, batch_size=cfg.evaluation.batch_size,
             pass_k=cfg.evaluation.pass_k, pass_k_temperature=cfg.evaluation.pass_k_temperature, seed=cfg.grpo.seed,
-            step_timeout=env.step_timeout, max_workers=env.max_concurrency,
+            step_timeout=env.step_timeout, max_workers=env.max_concurrency, protocol=env.protocol, tools=env.tools,
+            correctness=get_reward(cfg.evaluation.correctness_reward),
         )
     else:
         result = evaluate_policy(

@@ -58,10 +58,14 @@ def get_reward(name: str) -> RewardFunc:
 
 
 def _text(completion) -> str:
-    """Plain completions are strings; conversational ones are [{"role": "assistant", "content": ...}]."""
+    """Plain completions are strings; conversational ones are message lists ([{"role": "assistant", "content": ...}],
+    with TRL's tool loop assistant and tool messages in turn): the model's last message is its answer, never a tool's
+    output (an episode cut off after a tool call ends on the tool's message)."""
     if isinstance(completion, str):
         return completion
-    return completion[-1]["content"] if completion else ""
+    answer = next((m for m in reversed(completion) if m.get("role", "assistant") == "assistant"), None)
+    content = answer.get("content") if answer else None
+    return content if isinstance(content, str) else ""
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")

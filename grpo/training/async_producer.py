@@ -72,7 +72,8 @@ def build_environments(rows: Sequence[Mapping[str, Any]], settings: EpisodeSetti
     """One fresh environment per row as the sync trainer builds them (:mod:`grpo.training.episodes`): the one its
     ``environment`` column names, else ``settings.name`` with ``settings.kwargs``; one whose factory raises fails
     its episode at ``reset`` (NaN reward) and the round goes on."""
-    from grpo.training.episodes import ROUTING_COLUMN, _Unbuildable, build_environment
+    from grpo.environments import ROUTING_COLUMN
+    from grpo.training.episodes import _Unbuildable, build_environment
 
     envs = []
     for row in rows:
@@ -89,8 +90,8 @@ def run_episode_round(prompt_ids: Sequence[Sequence[int]], rows: Sequence[Mappin
                       tokenizer, settings: EpisodeSettings, eos_token_ids: Sequence[int] | None = None) -> list:
     """A round of episodes through THE episode runner with an engine's own ``generate``; each episode's
     ``environment`` names the environment it ran in."""
+    from grpo.environments import ROUTING_COLUMN
     from grpo.environments.episodes import run_episodes
-    from grpo.training.episodes import ROUTING_COLUMN
 
     episodes = run_episodes(prompt_ids, build_environments(rows, settings), generate, tokenizer, rows=rows,
                         max_turns=settings.max_turns, max_completion_length=settings.max_completion_length,

@@ -29,12 +29,9 @@ from typing import Any
 
 import torch
 
-from grpo.environments import ToolEnvironment, get_tool, make_environment
+from grpo.environments import ROUTING_COLUMN, ToolEnvironment, get_tool, make_environment
 from grpo.environments.episodes import ENV_LOGPROB, Episode, rollout_fields, run_episodes
 from grpo.environments.metrics import episode_metrics
-
-ROUTING_COLUMN = "environment"
-"""A dataset column naming each row's environment (TRL's dict-of-factories routing)."""
 
 # Columns the rollout adds to a row (TRL merges rollout_func's extra fields into the rows): not the dataset's, so
 # never passed to reset(**row), e.g. when a re-rolled row comes back.

@@ -213,6 +213,9 @@ def evaluate_environment(
     max_workers: int = 16,
     num_samples_to_keep: int = 16,
     generate_with: Callable[[bool, float], Callable[..., list]] | None = None,
+    protocol: str = "text",
+    tools: Sequence[str] = (),
+    correctness: Callable[..., list[float]] | None = None,
 ) -> EvalResult:
     """One greedy episode per prompt in ``environment`` (a registered name, built with ``kwargs``; a row's
     ``environment`` column routes it elsewhere, with that environment's defaults): accuracy is the fraction the
@@ -222,19 +225,41 @@ def evaluate_environment(
     ``{"tool_off": {"tool": "off"}}``) runs the greedy episodes again with ``kwargs | overrides``:
     ``env["<name>/accuracy"]``, ``env["<name>/turns_mean"]``, ... . ``generate_with(do_sample, temperature)``
     gives the episode runner's ``generate`` (default: :func:`episode_generator` of ``model``; another rollout
-    engine can evaluate through its own)."""
-    from grpo.environments import make_environment
+    engine can evaluate through its own). ``protocol`` ``chat`` runs TRL's tool loop instead
+    (:class:`grpo.environments.chat.ChatToolLoop`, with the registered ``tools`` besides the environment's methods):
+    an episode's success is ``correctness`` (a reward function) giving its last assistant message full marks."""
+    from grpo.environments import get_tool, make_environment
+    from grpo.environments.chat import ChatToolLoop, chat_tools
     from grpo.environments.episodes import run_episodes
 
-    texts = prompt_texts(prompts, tokenizer)
-    prompt_ids = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
     rows = [dict(r) for r in rows]
     base = dict(kwargs or {})
+    standalone = [get_tool(t) for t in tools]
+
+    def build(row: Mapping[str, Any], options: Mapping[str, Any]) -> Any:
+        name = row.get("environment") or environment
+        return make_environment(name, **options) if name == environment else make_environment(name)
+
+    if protocol == "chat":
+        if correctness is None:
+            raise ValueError("evaluate_environment: protocol 'chat' needs a correctness reward")
+
+        def score(answer: str, row: Mapping[str, Any]) -> float | None:
+            columns = {k: [v] for k, v in row.items() if k not in ("prompt", "completion", "completions")}
+            return correctness(prompts=[row.get("prompt")], completions=[[{"role": "assistant", "content": answer}]],
+                               **columns)[0]
+
+        texts = [prompt_texts([p], tokenizer, chat_tools(build(row, base), standalone))[0]
+                 for p, row in zip(prompts, rows)]
+    else:
+        texts = prompt_texts(prompts, tokenizer)
+    prompt_ids = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
 
     def episodes(options: Mapping[str, Any], generate: Callable[..., list], repeat: int = 1) -> list:
         def env_for(row: Mapping[str, Any]) -> Any:
-            name = row.get("environment") or environment
-            return make_environment(name, **options) if name == environment else make_environment(name)
+            if protocol == "chat":
+                return ChatToolLoop(tokenizer, build(row, options), standalone, score)
+            return build(row, options)
 
         reps = [i for i in range(len(rows)) for _ in range(repeat)]
         return run_episodes([prompt_ids[i] for i in reps], [env_for(rows[i]) for i in reps], generate, tokenizer,

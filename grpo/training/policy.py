@@ -22,6 +22,7 @@ from datasets import DatasetDict
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import ExperimentConfig
+from grpo.environments.chat import config_chat_tools
 from grpo.errors import ConfigError
 from grpo.paths import cache_root, locked
 from grpo.tasks import calculator_demonstrations, flawed_addition_demonstrations, guess_digit_demonstrations
@@ -157,7 +158,8 @@ def warm_start_pairs(data: DatasetDict, cfg: ExperimentConfig, tokenizer: PreTra
     The embedded environments on their synthetic tasks are demonstrated as episodes: ``calculator`` on
     ``synthetic:addition`` mostly answers directly and rarely calls its tool (:func:`calculator_demonstrations`),
     ``guess_digit`` on ``synthetic:guess_digit`` searches sloppily (:func:`guess_digit_demonstrations`)."""
-    prompts, answers = prompt_texts(data["train"]["prompt"], tokenizer), list(data["train"]["answer"])
+    tools = config_chat_tools(cfg.environment)  # protocol chat: TRL renders every prompt with its tools
+    prompts, answers = prompt_texts(data["train"]["prompt"], tokenizer, tools), list(data["train"]["answer"])
     rate, source, env = cfg.model.warm_start.carry_error_rate, cfg.data.source, cfg.environment.name
     if env == "calculator" and source == "synthetic:addition":
         return calculator_demonstrations(prompts, answers, rate, seed=cfg.data.seed)

@@ -11,7 +11,10 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def prompt_texts(prompts: Sequence[str | list[dict[str, str]]], tokenizer: Any) -> list[str]:
-    """``prompts`` as text: conversational ones through ``tokenizer``'s chat template, standard ones unchanged."""
-    return [p if isinstance(p, str) else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
-            for p in prompts]
+def prompt_texts(prompts: Sequence[str | list[dict[str, str]]], tokenizer: Any,
+                 tools: Sequence[Any] | None = None) -> list[str]:
+    """``prompts`` as text: conversational ones through ``tokenizer``'s chat template (with the schemas of ``tools``,
+    as TRL renders prompts for its tool loop), standard ones unchanged."""
+    extra = {"tools": list(tools)} if tools else {}  # no tools: no argument (Llama renders tool boilerplate for [])
+    return [p if isinstance(p, str) else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False,
+                                                                       **extra) for p in prompts]

@@ -102,8 +102,12 @@ class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndRe
         self.experiment = experiment
         self.plan_path = Path(plan_path) if plan_path is not None else None
         self._environment_trainer_kwargs(experiment, kwargs)
-        with warnings.catch_warnings():  # rollout_func is how environments reach TRL here (episodes.py), by design
-            warnings.filterwarnings("ignore", message="You are using 'rollout_func'", category=UserWarning)
+        # rollout_func (protocol text) and environment_factory (protocol chat) are how environments reach TRL here
+        # (episodes.py), by design: TRL's "experimental" warning leaves the user nothing to act on (TRL is pinned, and
+        # TRL_HOOKS lists what the platform builds on).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="You are using '(rollout_func|environment_factory)'",
+                                    category=UserWarning)
             super().__init__(*args, **kwargs)
         self._init_replay()
         self._init_reward_scoring()
