@@ -78,7 +78,10 @@ def test_trls_tool_loop_calls_the_tool_and_masks_its_answer_as_injected(chat_bat
             assert ids[start:end] == tok(expected, add_special_tokens=False)["input_ids"]
             calls, before = calls + 1, end
     assert calls >= len(rows) // 2, f"{calls} tool calls in {len(rows)} episodes: the model did not call the tool"
-    assert trainer._metrics["train"]["tools/call_frequency"][-1] > 0
+    logged = trainer._metrics["train"]
+    assert logged["tools/call_frequency"][-1] == pytest.approx(calls / len(rows))  # TRL's own count
+    assert logged["env/tools/calculator/calls"][-1] == pytest.approx(calls / len(rows))  # the platform's, per tool
+    assert logged["env/tools/calculator/failures"][-1] == 0 and logged["env/tools/calculator/latency_s"][-1] > 0
 
 
 def test_tool_answers_carry_exactly_zero_gradient(chat_batch):
@@ -150,8 +153,8 @@ def test_evaluation_runs_trls_loop_through_the_episode_runner_with_tool_faults()
     from trl.chat_template_utils import qwen2_5_chat_template
 
     from grpo.environments.builtin import ToolUseEnvironment
-    from grpo.environments.chat import ChatToolLoop
     from grpo.environments.episodes import run_episodes
+    from grpo.training.chat_loop import ChatToolLoop
     from tests.own_model import build_tokenizer
 
     tok = build_tokenizer()
@@ -207,3 +210,37 @@ def test_the_plan_and_the_warm_start_see_the_prompt_with_the_tools_schema(tool_c
     assert min(with_tools) > 200
     prompts, _ = warm_start_pairs(data, cfg, tok)
     assert '"name": "calculator"' in prompts[0] and prompts[0].endswith("<|im_start|>assistant\n")
+
+
+def test_the_tool_ledger_records_environment_methods_as_trl_reads_them():
+    """TRL lists an environment's methods on its class and takes them from the instance: the ledger's instance
+    attributes are what it calls, with the schema of the method they wrap; a raising call still raises and counts."""
+    import inspect
+
+    from transformers.utils import get_json_schema
+
+    from grpo.environments.chat import ToolLedger
+
+    class Shelf:
+        def reset(self, **row):
+            return None
+
+        def lookup(self, key: str) -> str:
+            """Look a key up.
+
+            Args:
+                key: the key
+            """
+            return {"a": "1"}[key]
+
+    ledger = ToolLedger()
+    env = ledger.instrumented(Shelf)()
+    methods = {name: getattr(env, name) for name, _ in inspect.getmembers(type(env), inspect.isfunction)
+               if name != "reset"}
+    assert get_json_schema(methods["lookup"]) == get_json_schema(Shelf().lookup)
+    assert methods["lookup"](key="a") == "1"
+    with pytest.raises(KeyError):
+        methods["lookup"](key="b")
+    m = ledger.metrics(episodes=4)
+    assert (m["env/tools/lookup/calls"], m["env/tools/lookup/failures"]) == (0.5, 0.25)
+    assert m["env/tools/lookup/latency_s"] >= 0 and ledger.metrics(episodes=4)["env/tools/lookup/calls"] == 0

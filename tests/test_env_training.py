@@ -221,7 +221,8 @@ def test_chat_protocol_passes_trls_own_arguments(tmp_path):
     assert set(routed) == {"test_chat_env", "guess_digit"} and routed["test_chat_env"]().k == 3
     kwargs: dict = {}
     GRPOTrainer._environment_trainer_kwargs(object.__new__(GRPOTrainer), cfg, kwargs)
-    assert kwargs["tools"] == [get_tool("calculator")] and "rollout_func" not in kwargs
+    # the registered tool, recorded for the per-tool metrics (grpo.environments.chat.ToolLedger)
+    assert [t.__wrapped__ for t in kwargs["tools"]] == [get_tool("calculator")] and "rollout_func" not in kwargs
     assert kwargs["environment_factory"]().k == 3
 
 

@@ -16,6 +16,7 @@ from grpo.config.trl_and_rewards import (
     check_environment_builds,
     check_environment_names,
     check_reward_names,
+    environment_is_a_class,
     environment_kind,
 )
 
@@ -309,10 +310,7 @@ def text_protocol_steps_its_environment(cfg: ExperimentConfig) -> None:
     env = cfg.environment
     if not (env.enabled and env.protocol == "text"):
         return
-    from grpo.environments import get_environment
-
-    factory = get_environment(env.name)
-    if isinstance(factory, type) and not callable(getattr(factory, "step", None)):
+    if environment_kind(env.name) == (False, False) and environment_is_a_class(env.name):
         raise ValueError(f"environment.protocol 'text': {env.name!r} has no step(action); it is an environment for "
                          f"TRL's tool loop: use environment.protocol: chat")
 

@@ -23,6 +23,7 @@ __all__ = [
     "check_environment_builds",
     "check_environment_names",
     "check_reward_names",
+    "environment_is_a_class",
     "environment_kind",
     "environment_enum",
     "reward_enum",
@@ -161,6 +162,14 @@ def environment_kind(name: str) -> tuple[bool, bool]:
     factory = get_environment(name)
     return (isinstance(factory, type) and issubclass(factory, ToolEnvironment),
             callable(getattr(factory, "step", None)))
+
+
+def environment_is_a_class(name: str) -> bool:
+    """Whether the registered environment ``name`` is a class (its methods tell its protocol), not a factory function
+    (whose instances' methods are known only once built)."""
+    from grpo.environments import get_environment
+
+    return isinstance(get_environment(name), type)
 
 
 def environment_enum(schema: dict[str, Any]) -> None:

@@ -1,20 +1,10 @@
-"""The chat protocol outside TRL's trainer: TRL's tool loop as an environment of THE episode runner.
+"""The chat protocol's pieces that need no training stack: which tools TRL's loop offers, what the chat template
+writes after a tool call, and the per-tool record of the calls TRL makes.
 
-Training with ``environment.protocol: chat`` runs TRL's own loop (``environment_factory`` / ``tools``, unchanged).
-Evaluation runs the same conversations through :func:`grpo.environments.episodes.run_episodes`, so it shares the
-runner's batching, concurrency, budgets and faults instead of a second loop: :class:`ChatToolLoop` wraps one episode's
-TRL-style environment (``reset(**row)`` plus public methods, which are its tools) and the standalone tools.
-
-As in TRL's loop, a model turn ends at the end-of-sequence token (the template's end of turn, kept in the completion);
-the turn's tool calls are parsed with TRL's ``parse_response`` (the response schema TRL sets for the templates it
-recognises); each tool is called with the call's keyword arguments, a raising or unknown tool answering
-``{'error': ...}``; the tool messages are appended as the chat template renders them after an assistant turn (TRL's
-``_get_tool_suffix_ids``), tokenised on their own. A turn without a tool call is the answer, scored by the run's
-correctness reward on that last assistant message.
-
-TRL appends the text ``reset`` returns to the prompt's last user message before rendering it; evaluation renders the
-prompts before the episodes start, so an environment whose ``reset`` returns text fails its evaluation episodes with
-that reason (reward NaN) rather than being evaluated on a different prompt.
+Training with ``environment.protocol: chat`` runs TRL's own loop (``environment_factory`` / ``tools``, unchanged);
+:class:`ToolLedger` wraps the tools it is given so the platform logs the per-tool metrics TRL does not. Evaluation
+runs the same conversations through THE episode runner (:class:`grpo.training.chat_loop.ChatToolLoop`), with the
+prompts rendered with :func:`config_chat_tools` and the tool messages of :func:`tool_suffix_text`.
 """
 
 from __future__ import annotations
@@ -23,8 +13,6 @@ import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-from grpo.environments.base import StepResult, ToolCall
 
 
 def environment_tools(environment: Any) -> list[Callable[..., Any]]:
@@ -54,67 +42,6 @@ def tool_suffix_text(tokenizer: Any, tool_messages: Sequence[Mapping[str, Any]])
     return full[len(prefix):]
 
 
-class ChatToolLoop:
-    """One chat-protocol episode for :func:`~grpo.environments.episodes.run_episodes`; see the module docstring.
-    ``score(answer_text, row)`` gives the final answer's reward (None: not applicable)."""
-
-    eos_ends_turn = True
-    """The end-of-sequence token ends a model turn, not the episode: the turn is stepped, and the episode goes on
-    while the model calls tools."""
-    stop_strings: tuple[str, ...] = ()
-
-    def __init__(self, tokenizer: Any, environment: Any, tools: Sequence[Callable[..., Any]],
-                 score: Callable[[str, Mapping[str, Any]], float | None]) -> None:
-        from trl.chat_template_utils import add_response_schema
-
-        if not (getattr(tokenizer, "response_template", None) or getattr(tokenizer, "response_schema", None)):
-            add_response_schema(tokenizer)  # what trl.GRPOTrainer does at construction; raises for other templates
-        self.tokenizer, self.environment, self.score = tokenizer, environment, score
-        self.tools = {tool.__name__: tool for tool in chat_tools(environment, tools)}
-        self.row: Mapping[str, Any] = {}
-
-    @property
-    def concurrency_limit(self) -> Any:
-        return getattr(self.environment, "concurrency_limit", None)
-
-    def reset(self, **row: Any) -> None:
-        self.row = row
-        text = self.environment.reset(**row) if self.environment is not None else None
-        if text:
-            raise ValueError("reset returned text, which TRL appends to the prompt's last user message; evaluation "
-                             "renders prompts before episodes start and cannot show it")
-
-    def step(self, action: str) -> StepResult:
-        from trl.chat_template_utils import parse_response
-
-        ids = self.tokenizer(action, add_special_tokens=False)["input_ids"]  # parsed only; the episode keeps its ids
-        message = parse_response(self.tokenizer, ids, prefix=[], tools=list(self.tools.values()))
-        calls = [c for c in message.get("tool_calls") or [] if isinstance(c, Mapping)]
-        if not calls:
-            return StepResult(None, True, self.score(str(message.get("content") or action), self.row))
-        results, traced = [], []
-        for call in calls:
-            function = call.get("function") or {}
-            name = str(function.get("name", "unknown"))
-            tool = self.tools.get(name)
-            start = time.perf_counter()
-            if tool is None:
-                content, status = {"error": f"Tool {name} not found"}, "unknown"
-            else:
-                try:
-                    content, status = tool(**(function.get("arguments") or {})), "ok"
-                except Exception as err:  # noqa: BLE001 - the tool's failure is the model's to read, as in TRL
-                    content, status = {"error": str(err)}, "error"
-            traced.append(ToolCall(name, status, time.perf_counter() - start))
-            results.append({"role": "tool", "name": name, "content": str(content)})
-        return StepResult(tool_suffix_text(self.tokenizer, results), False, None, tuple(traced))
-
-    def close(self) -> None:
-        close = getattr(self.environment, "close", None)
-        if callable(close):
-            close()
-
-
 def config_chat_tools(env_cfg: Any) -> list[Callable[..., Any]] | None:
     """The tools TRL renders into the prompts of a run with this ``environment`` section (protocol chat: its
     ``tools``, then the methods of ``environment.name``'s environment); None for another protocol or no environment.
@@ -126,3 +53,80 @@ def config_chat_tools(env_cfg: Any) -> list[Callable[..., Any]] | None:
     from grpo.environments import get_tool, make_environment
 
     return chat_tools(make_environment(env_cfg.name, **env_cfg.kwargs), [get_tool(t) for t in env_cfg.tools]) or None
+
+
+class ToolLedger:
+    """Calls, failures and seconds of each tool TRL's loop calls (protocol chat), for the same per-tool metrics the
+    text protocol logs: TRL counts calls and failures over all tools only. :meth:`wrap` returns a tool with the
+    wrapped one's name, signature and docstring (TRL builds the tool's schema from them), recording each call; a call
+    that raises still raises (TRL answers the model with its error text) and counts as a failure."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.stats: dict[str, list[float]] = {name: [0, 0, 0.0] for name in self.names}
+
+    def wrap(self, tool: Callable[..., Any], name: str | None = None) -> Callable[..., Any]:
+        import functools
+
+        name = name or tool.__name__
+        if name not in self.names:
+            self.names.append(name)
+            self.stats[name] = [0, 0, 0.0]
+
+        def record(start: float, failed: bool) -> None:
+            entry = self.stats.setdefault(name, [0, 0, 0.0])
+            entry[0] += 1
+            entry[1] += failed
+            entry[2] += time.perf_counter() - start
+
+        if inspect.iscoroutinefunction(tool):
+            @functools.wraps(tool)
+            async def recorded_async(*args: Any, **kwargs: Any) -> Any:
+                start, failed = time.perf_counter(), True
+                try:
+                    result = await tool(*args, **kwargs)
+                    failed = False
+                    return result
+                finally:
+                    record(start, failed)
+
+            return recorded_async
+
+        @functools.wraps(tool)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            start, failed = time.perf_counter(), True
+            try:
+                result = tool(*args, **kwargs)
+                failed = False
+                return result
+            finally:
+                record(start, failed)
+
+        return recorded
+
+    def instrumented(self, factory: Callable[[], Any]) -> Callable[[], Any]:
+        """``factory`` whose environments' tool methods are recorded: each is shadowed by an instance attribute,
+        which is what TRL reads (it lists the class's methods, then takes them from the instance)."""
+
+        def make() -> Any:
+            environment = factory()
+            for method in environment_tools(environment):
+                setattr(environment, method.__name__, self.wrap(method))
+            return environment
+
+        return make
+
+    def metrics(self, episodes: int) -> dict[str, float]:
+        """Per tool, calls and failures per episode and seconds per call, as ``env/tools/<name>/...`` (the text
+        protocol's names, :func:`grpo.environments.metrics.episode_metrics`); then starts counting afresh."""
+        out: dict[str, float] = {}
+        for name in self.names:
+            calls, failures, seconds = self.stats.get(name, [0, 0, 0.0])
+            out[f"env/tools/{name}/calls"] = calls / max(1, episodes)
+            out[f"env/tools/{name}/failures"] = failures / max(1, episodes)
+            out[f"env/tools/{name}/latency_s"] = seconds / calls if calls else 0.0
+        self.reset()
+        return out

@@ -14,8 +14,9 @@ an environment token's sampling log-prob is 0.0, TRL's value for tool-result tok
 ``max_completion_length`` covers model and environment tokens. An episode ends when
 
 * the model writes the end-of-sequence token (``eos``; the turn is still stepped, so the environment can score it).
-  For an environment whose ``eos_ends_turn`` is true (the chat protocol's :class:`~grpo.environments.chat.ChatToolLoop`,
-  whose template ends every turn with it) the episode ends there only when the step says done;
+  For an environment whose ``eos_ends_turn`` is true (the chat protocol's
+  :class:`~grpo.training.chat_loop.ChatToolLoop`, whose template ends every turn with it) the episode ends there only
+  when the step says done;
 * the environment says done (``done``): its last observation and the end-of-sequence token are appended as
   environment tokens when they fit, so TRL's "last token is EOS" check reads the episode as finished, not clipped;
 * the turn limit is reached with the environment not done (``max_turns``; the last observation is not appended);

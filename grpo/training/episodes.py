@@ -17,7 +17,8 @@ training goes on. Episode statistics (:func:`grpo.environments.metrics.episode_m
 join TRL's metrics each generation batch.
 
 Protocol ``chat``: TRL's own tool loop, unchanged: ``environment_factory`` (a dict of factories when the data has an
-``environment`` column), ``tools`` and ``max_tool_calling_iterations`` go to ``trl.GRPOTrainer`` as they are.
+``environment`` column), ``tools`` and ``max_tool_calling_iterations`` go to ``trl.GRPOTrainer`` as they are, each
+tool recorded by a :class:`~grpo.environments.chat.ToolLedger` for the per-tool metrics TRL does not log.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from grpo.environments import ROUTING_COLUMN, ToolEnvironment, get_tool, make_environment
+from grpo.environments.chat import ToolLedger
 from grpo.environments.episodes import ENV_LOGPROB, Episode, rollout_fields, run_episodes
 from grpo.environments.metrics import episode_metrics
 
@@ -100,6 +102,7 @@ class EnvironmentRollouts:
 
     _rollout_rows: list[dict[str, Any]] | None = None  # the rows of the batch being generated
     _episode_errors: list[bool] | None = None  # per local completion of the last rollout: its environment failed
+    _tool_ledger: ToolLedger | None = None  # protocol chat: the tools TRL's loop calls, recorded
 
     def _environment_trainer_kwargs(self, experiment, kwargs: dict[str, Any]) -> None:
         """Add TRL's arguments for ``experiment.environment`` to the trainer's keyword arguments (called before
@@ -110,9 +113,28 @@ class EnvironmentRollouts:
         if env.protocol == "text":
             kwargs["rollout_func"] = self._rollout_episodes
             return
-        kwargs["environment_factory"] = chat_environment_factory(env, kwargs.get("train_dataset"))
+        ledger = self._tool_ledger = ToolLedger()
+        factory = chat_environment_factory(env, kwargs.get("train_dataset"))
+        kwargs["environment_factory"] = ({name: ledger.instrumented(f) for name, f in factory.items()}
+                                         if isinstance(factory, dict) else ledger.instrumented(factory))
         if env.tools:
-            kwargs["tools"] = [get_tool(name) for name in env.tools]
+            kwargs["tools"] = [ledger.wrap(get_tool(name)) for name in env.tools]
+
+    def _log_chat_tool_metrics(self, episodes: int) -> None:
+        """Protocol chat: the generation batch's per-tool calls, failures and latency (:class:`ToolLedger`), summed
+        over every rank (the same values on every rank)."""
+        ledger = self._tool_ledger
+        if ledger is None:
+            return
+        totals = torch.tensor([[*ledger.stats.get(name, [0, 0, 0.0])] for name in ledger.names] + [[episodes, 0, 0]],
+                              dtype=torch.float64, device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            totals = self.accelerator.reduce(totals, reduction="sum")
+        for name, row in zip(ledger.names, totals.tolist()):
+            ledger.stats[name] = row
+        mode = "train" if self.model.training else "eval"
+        for name, value in ledger.metrics(int(totals[-1, 0].item())).items():
+            self._metrics[mode][name].append(value)
 
     # ------------------------------------------------------------ TRL's rollout_func
 

@@ -226,18 +226,19 @@ def evaluate_environment(
     ``env["<name>/accuracy"]``, ``env["<name>/turns_mean"]``, ... . ``generate_with(do_sample, temperature)``
     gives the episode runner's ``generate`` (default: :func:`episode_generator` of ``model``; another rollout
     engine can evaluate through its own). ``protocol`` ``chat`` runs TRL's tool loop instead
-    (:class:`grpo.environments.chat.ChatToolLoop`, with the registered ``tools`` besides the environment's methods):
+    (:class:`grpo.training.chat_loop.ChatToolLoop`, with the registered ``tools`` besides the environment's methods):
     an episode's success is ``correctness`` (a reward function) giving its last assistant message full marks."""
-    from grpo.environments import get_tool, make_environment
-    from grpo.environments.chat import ChatToolLoop, chat_tools
+    from grpo.environments import ROUTING_COLUMN, get_tool, make_environment
+    from grpo.environments.chat import chat_tools
     from grpo.environments.episodes import run_episodes
+    from grpo.training.chat_loop import ChatToolLoop
 
     rows = [dict(r) for r in rows]
     base = dict(kwargs or {})
     standalone = [get_tool(t) for t in tools]
 
     def build(row: Mapping[str, Any], options: Mapping[str, Any]) -> Any:
-        name = row.get("environment") or environment
+        name = row.get(ROUTING_COLUMN) or environment
         return make_environment(name, **options) if name == environment else make_environment(name)
 
     if protocol == "chat":

@@ -178,10 +178,10 @@ def policy_alphabet(data: DatasetDict, cfg: ExperimentConfig) -> str:
     alphabet = alphabet_of(data)
     env = cfg.environment
     if env.enabled:
-        from grpo.environments import environment_alphabet
+        from grpo.environments import ROUTING_COLUMN, environment_alphabet
 
-        names = {env.name, *(n for split in data.values() if "environment" in split.column_names
-                             for n in split["environment"] if n)}
+        names = {env.name, *(n for split in data.values() if ROUTING_COLUMN in split.column_names
+                             for n in split[ROUTING_COLUMN] if n)}
         alphabet = "".join(sorted(set(alphabet) | set(environment_alphabet(sorted(names), env.tools))))
     return alphabet
 

@@ -213,6 +213,7 @@ class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndRe
             batch = self._generate_and_score_completions(inputs)
         finally:
             self._rollout_rows = None
+        self._log_chat_tool_metrics(len(inputs))
         if training and (self._replay is not None or self._reroll is not None):
             rewards = self._local_rewards(len(inputs))
             if self._reroll is not None:
