@@ -23,12 +23,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/grpo run --config tiny --run-name $(RUN_NAME)
 
-# The whole suite on TEST_WORKERS pytest-xdist workers (whole modules each, longest first: tests/conftest.py). Five on
+# The whole suite on TEST_WORKERS pytest-xdist workers (whole modules each, longest first: tests/conftest.py). Four on
 # 2 cores: the tests spend much of their time waiting on the processes and servers they start, and the workers share
-# one Prefect and one MLflow server (tests/servers.py) and one artefact cache, so another worker adds no servers. Five:
-# their load once kept the shared Prefect server's SQLite busy past its clients' default retries (a 503 to `grpo
-# serve`), so the servers' clients retry longer (tests/servers.py).
-TEST_WORKERS ?= 5
+# one Prefect and one MLflow server (tests/servers.py) and one artefact cache, so another worker adds no servers. Five
+# were 27 s faster in a clean-clone run (15m57s against 16m24s) and once kept the shared Prefect server's SQLite busy
+# past its clients' retries; four keep the margin.
+TEST_WORKERS ?= 4
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 

@@ -165,7 +165,8 @@ class PrefectServer:
     def env(self, **extra: str) -> dict[str, str]:
         # The shared server's SQLite answers 503 while another writer holds it, and Prefect's clients retry a 503
         # with doubling waits: 5 retries (its default) wait about a minute, which five test workers on 2 cores
-        # outlasted once (`grpo serve` failed to register a deployment); 8 wait about eight minutes.
+        # outlasted once (`grpo serve` failed to register a deployment); 8 wait about eight minutes, for a loaded
+        # machine.
         return {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_API_URL": self.url,
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1", "PREFECT_CLIENT_MAX_RETRIES": "8",
                 **extra}
