@@ -102,25 +102,32 @@ ARCHITECTURES: dict[str, dict] = {
 }
 
 
-def build_tokenizer():
-    """A byte-level BPE tokenizer trained here on the tasks' text, with ChatML's special tokens and chat template and
-    no pad token."""
+def bpe_tokenizer(corpus: list[str], vocab_size: int, chat_template: str):
+    """A byte-level BPE tokenizer trained on ``corpus``, with ChatML's special tokens (``<|im_end|>`` its end of
+    sequence) and ``chat_template``, and no pad token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = [f"<|im_start|>user\n{r['prompt']}<|im_end|>\n<|im_start|>assistant\n{r['answer']}<|im_end|>"
-              for r in addition_rows(1600, seed=1)]
-    corpus += [f"{r['prompt'][0]['content']} {r['prompt'][1]['content']} {r['answer']}"
-               for r in gsm8k_rows(400, seed=1)]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", bos_token=None,
                                         unk_token=None, additional_special_tokens=SPECIAL[:2])
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer trained here on the tasks' text, with ChatML's special tokens and chat template and
+    no pad token."""
+    corpus = [f"<|im_start|>user\n{r['prompt']}<|im_end|>\n<|im_start|>assistant\n{r['answer']}<|im_end|>"
+              for r in addition_rows(1600, seed=1)]
+    corpus += [f"{r['prompt'][0]['content']} {r['prompt'][1]['content']} {r['answer']}"
+               for r in gsm8k_rows(400, seed=1)]
+    tokenizer = bpe_tokenizer(corpus, 400, CHAT_TEMPLATE)
     assert tokenizer.pad_token is None  # the loader's pad-token fallback is what the tests exercise
     return tokenizer
 
@@ -174,27 +181,14 @@ def build_tool_calling_model(folder: Path, steps: int = 100, seed: int = 0) -> P
     fine-tuning on demonstrations that call the registered ``calculator`` tool with the sum's expression, read its
     answer and repeat it (rendered with the tool's schema, as TRL renders prompts). Saved to ``folder``."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from trl.chat_template_utils import qwen2_5_chat_template
 
     from grpo.environments import get_tool
     from grpo.training.warm_start import supervised_warm_start
 
-    def tokenizer_from(corpus: list[str]) -> PreTrainedTokenizerFast:
-        bpe = Tokenizer(models.BPE())
-        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        bpe.decoder = decoders.ByteLevel()
-        bpe.train_from_iterator(corpus, trainers.BpeTrainer(
-            vocab_size=600, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False))
-        tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", bos_token=None, unk_token=None,
-                                      additional_special_tokens=SPECIAL[:2])
-        tok.chat_template = qwen2_5_chat_template
-        return tok
-
     tools = [get_tool("calculator")]
-    render = tokenizer_from(["x"])  # the template renders text without a trained vocabulary
+    render = bpe_tokenizer(["x"], 600, qwen2_5_chat_template)  # the template renders text without a trained vocabulary
     pairs = []
     for row in addition_rows(800, seed=seed + 1):
         prompt, turns = _tool_conversation(row)
@@ -202,7 +196,7 @@ def build_tool_calling_model(folder: Path, steps: int = 100, seed: int = 0) -> P
         whole = render.apply_chat_template(prompt + turns, tools=tools, tokenize=False)
         pairs.append((head, whole[len(head):].removesuffix("\n").removesuffix("<|im_end|>")))
     folder.mkdir(parents=True, exist_ok=True)
-    trained = tokenizer_from([head + demo for head, demo in pairs[:300]])
+    trained = bpe_tokenizer([head + demo for head, demo in pairs[:300]], 600, qwen2_5_chat_template)
     trained.save_pretrained(folder)
     config = AutoConfig.for_model(  # the prompt carries the tool's schema (~230 tokens)
         "qwen2", **{**_ATTENTION, "max_position_embeddings": 1024}, vocab_size=len(trained),

@@ -19,7 +19,7 @@ from grpo.environments import get_tool
 from grpo.environments.chat import tool_suffix_text
 from tests.conftest import MICRO, REPO
 from tests.own_model import build_tool_calling_model, write_tool_dataset
-from tests.trainers import micro_trainer
+from tests.trainers import logp_gradient, micro_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -90,24 +90,9 @@ def test_tool_answers_carry_exactly_zero_gradient(chat_batch):
     batch["advantages"] = torch.linspace(-1, 1, batch["advantages"].numel())
     tool = (batch["completion_mask"] * (1 - batch["tool_mask"])).bool()
     assert tool.any()
-    captured = {}
-    original = trainer._get_per_token_logps_and_entropies
-
-    def capture(*args, **kwargs):
-        out = original(*args, **kwargs)
-        if torch.is_grad_enabled():
-            out[0].retain_grad()
-            captured["logps"] = out[0]
-        return out
-
-    trainer._get_per_token_logps_and_entropies = capture
-    try:
-        trainer.model.zero_grad(set_to_none=True)
-        trainer.compute_loss(trainer.model, batch).backward()
-    finally:
-        del trainer._get_per_token_logps_and_entropies
-    assert captured["logps"].grad[tool].abs().max() == 0
-    assert captured["logps"].grad[~tool & batch["completion_mask"].bool()].abs().max() > 0
+    grad = logp_gradient(trainer, batch)
+    assert grad[tool].abs().max() == 0
+    assert grad[~tool & batch["completion_mask"].bool()].abs().max() > 0
     assert batch["num_items_in_batch"] == (batch["completion_mask"] * batch["tool_mask"]).sum()
 
 

@@ -16,6 +16,7 @@ from grpo.training.train import grpo_args
 from grpo.training.trainer import GRPOTrainer
 from tests.conftest import MICRO
 from tests.trainers import environment_trainer as make_trainer
+from tests.trainers import logp_gradient
 
 pytestmark = pytest.mark.integration
 
@@ -105,23 +106,9 @@ def test_environment_tokens_carry_exactly_zero_gradient(guess):
     assert torch.equal(g, base) and torch.equal(loss, base_loss)
 
     # the per-token log-prob gradient at environment positions is exactly zero
-    captured = {}
-    original = trainer._get_per_token_logps_and_entropies
-
-    def capture(*args, **kwargs):
-        out = original(*args, **kwargs)
-        if torch.is_grad_enabled():
-            out[0].retain_grad()
-            captured["logps"] = out[0]
-        return out
-
-    trainer._get_per_token_logps_and_entropies = capture
-    try:
-        grads(batch)
-    finally:
-        del trainer._get_per_token_logps_and_entropies
-    assert captured["logps"].grad[env].abs().max() == 0
-    assert captured["logps"].grad[~env & batch["completion_mask"].bool()].abs().max() > 0
+    grad = logp_gradient(trainer, batch)
+    assert grad[env].abs().max() == 0
+    assert grad[~env & batch["completion_mask"].bool()].abs().max() > 0
 
 
 def test_the_loss_normaliser_leaves_environment_tokens_out(guess):

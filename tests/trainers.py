@@ -32,3 +32,27 @@ def environment_trainer(tmp_path, env: str = "guess_digit", **extra) -> GRPOTrai
         "model.warm_start.steps": 0, "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4,
         "grpo.max_completion_length": 10, "grpo.temperature": 1.5, "environment.name": env,
         "grpo.reward_funcs": "[env_reward]", **extra})
+
+
+def logp_gradient(trainer: GRPOTrainer, batch: dict):
+    """The gradient of the trainer's loss on ``batch`` with respect to its per-token log-probs (the output of TRL's
+    ``_get_per_token_logps_and_entropies``), after one backward pass from zeroed gradients."""
+    import torch
+
+    captured = {}
+    original = trainer._get_per_token_logps_and_entropies
+
+    def capture(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if torch.is_grad_enabled():
+            out[0].retain_grad()
+            captured["logps"] = out[0]
+        return out
+
+    trainer._get_per_token_logps_and_entropies = capture
+    try:
+        trainer.model.zero_grad(set_to_none=True)
+        trainer.compute_loss(trainer.model, batch).backward()
+    finally:
+        del trainer._get_per_token_logps_and_entropies
+    return captured["logps"].grad

@@ -16,8 +16,8 @@ from grpo.config.trl_and_rewards import (
     check_environment_builds,
     check_environment_names,
     check_reward_names,
-    environment_is_a_class,
     environment_kind,
+    environment_lacks_step,
 )
 
 if TYPE_CHECKING:
@@ -274,7 +274,7 @@ def chat_protocol_needs_a_chat_model(cfg: ExperimentConfig) -> None:
     """TRL's tool loop parses tool calls with the chat template's response schema; the tiny model's character
     tokenizer has none, and the text protocol needs none."""
     env = cfg.environment
-    if env.enabled and env.protocol == "chat" and cfg.model.is_tiny:
+    if env.is_chat and cfg.model.is_tiny:
         raise ValueError("environment.protocol 'chat' runs TRL's tool-calling loop, which needs a chat model whose "
                          "template TRL recognises (Qwen2.5/3, Llama 3.1/3.2, ...); the 'tiny' model's character "
                          "tokenizer has no chat template: use environment.protocol: text")
@@ -284,7 +284,7 @@ def environment_tools_need_a_tool_environment(cfg: ExperimentConfig) -> None:
     """Protocol text: ``environment.tools`` join a ToolEnvironment's own tools (its ``[name(args)]`` call syntax);
     another environment has no way to call them."""
     env = cfg.environment
-    if not (env.enabled and env.protocol == "text" and env.tools):
+    if not (env.is_text and env.tools):
         return
     if not environment_kind(env.name)[0]:
         raise ValueError(f"environment.tools: {env.name!r} is not a ToolEnvironment, so its episodes cannot call "
@@ -295,7 +295,7 @@ def chat_protocol_takes_trl_environments(cfg: ExperimentConfig) -> None:
     """Protocol chat hands the environment to TRL's ``environment_factory``, whose public methods become the model's
     tools; a text-protocol environment (``step(action)``) would expose ``step`` as a tool and never be stepped."""
     env = cfg.environment
-    if not (env.enabled and env.protocol == "chat"):
+    if not env.is_chat:
         return
     if environment_kind(env.name)[1]:
         raise ValueError(f"environment.protocol 'chat': {env.name!r} is a text-protocol environment (step(action)); "
@@ -308,18 +308,17 @@ def text_protocol_steps_its_environment(cfg: ExperimentConfig) -> None:
     """The text protocol calls ``step(action)`` after every model turn; an environment class without one is written
     for TRL's tool loop (its public methods are tools)."""
     env = cfg.environment
-    if not (env.enabled and env.protocol == "text"):
-        return
-    if environment_kind(env.name) == (False, False) and environment_is_a_class(env.name):
+    if env.is_text and environment_lacks_step(env.name):
         raise ValueError(f"environment.protocol 'text': {env.name!r} has no step(action); it is an environment for "
                          f"TRL's tool loop: use environment.protocol: chat")
+
 
 def chat_protocol_trains_synchronously(cfg: ExperimentConfig) -> None:
     """TRL's tool loop generates each turn in the trainer once the previous turn's tools have answered; async rollouts
     sample whole rounds ahead in the generator process, which runs episodes of the text protocol only. Without this
     rule every tool turn would be served from the round cache, with prompts the producer never saw."""
     env, a = cfg.environment, cfg.async_
-    if env.enabled and env.protocol == "chat" and (a.use_data_producer or a.async_prefetch):
+    if env.is_chat and (a.use_data_producer or a.async_prefetch):
         raise ValueError("environment.protocol 'chat' runs TRL's tool loop in the trainer, turn by turn; async "
                          "rollouts (async.use_data_producer / async.async_prefetch) sample episodes ahead for protocol "
                          "text only: turn them off, or use environment.protocol: text")

@@ -470,6 +470,16 @@ class EnvironmentSection(_Section):
         return self.name is not None
 
     @property
+    def is_chat(self) -> bool:
+        """A named environment whose episodes TRL's tool loop runs (protocol chat)."""
+        return self.enabled and self.protocol == "chat"
+
+    @property
+    def is_text(self) -> bool:
+        """A named environment whose episodes THE episode runner runs (protocol text)."""
+        return self.enabled and self.protocol == "text"
+
+    @property
     def max_turns(self) -> int:
         """Model turns per episode: one, then one after each environment reply."""
         return self.max_tool_calling_iterations + 1

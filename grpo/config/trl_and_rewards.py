@@ -23,8 +23,8 @@ __all__ = [
     "check_environment_builds",
     "check_environment_names",
     "check_reward_names",
-    "environment_is_a_class",
     "environment_kind",
+    "environment_lacks_step",
     "environment_enum",
     "reward_enum",
     "tool_enum",
@@ -164,12 +164,13 @@ def environment_kind(name: str) -> tuple[bool, bool]:
             callable(getattr(factory, "step", None)))
 
 
-def environment_is_a_class(name: str) -> bool:
-    """Whether the registered environment ``name`` is a class (its methods tell its protocol), not a factory function
-    (whose instances' methods are known only once built)."""
+def environment_lacks_step(name: str) -> bool:
+    """Whether the registered environment ``name`` is a class without ``step`` (one written for TRL's tool loop). A
+    factory function's instances are known only once built, so it never lacks one here."""
     from grpo.environments import get_environment
 
-    return isinstance(get_environment(name), type)
+    factory = get_environment(name)
+    return isinstance(factory, type) and not callable(getattr(factory, "step", None))
 
 
 def environment_enum(schema: dict[str, Any]) -> None:

@@ -48,7 +48,7 @@ def config_chat_tools(env_cfg: Any) -> list[Callable[..., Any]] | None:
     The warm start, the plan's token counts and evaluation render prompts with them, as training does. Rows routed to
     another environment by an ``environment`` column get that environment's methods in training; these are the
     configured environment's."""
-    if not (env_cfg.enabled and env_cfg.protocol == "chat"):
+    if not env_cfg.is_chat:
         return None
     from grpo.environments import get_tool, make_environment
 
@@ -62,22 +62,16 @@ class ToolLedger:
     that raises still raises (TRL answers the model with its error text) and counts as a failure."""
 
     def __init__(self) -> None:
-        self.names: list[str] = []
-        self.reset()
+        self.stats: dict[str, list[float]] = {}  # tool name -> [calls, failures, seconds], in the order wrapped
 
-    def reset(self) -> None:
-        self.stats: dict[str, list[float]] = {name: [0, 0, 0.0] for name in self.names}
-
-    def wrap(self, tool: Callable[..., Any], name: str | None = None) -> Callable[..., Any]:
+    def wrap(self, tool: Callable[..., Any]) -> Callable[..., Any]:
         import functools
 
-        name = name or tool.__name__
-        if name not in self.names:
-            self.names.append(name)
-            self.stats[name] = [0, 0, 0.0]
+        name = tool.__name__
+        self.stats.setdefault(name, [0, 0, 0.0])
 
         def record(start: float, failed: bool) -> None:
-            entry = self.stats.setdefault(name, [0, 0, 0.0])
+            entry = self.stats[name]
             entry[0] += 1
             entry[1] += failed
             entry[2] += time.perf_counter() - start
@@ -119,14 +113,13 @@ class ToolLedger:
 
         return make
 
+    def take(self) -> dict[str, list[float]]:
+        """Each tool's ``[calls, failures, seconds]`` since the last take; counting starts afresh."""
+        taken, self.stats = self.stats, {name: [0, 0, 0.0] for name in self.stats}
+        return taken
+
     def metrics(self, episodes: int) -> dict[str, float]:
-        """Per tool, calls and failures per episode and seconds per call, as ``env/tools/<name>/...`` (the text
-        protocol's names, :func:`grpo.environments.metrics.episode_metrics`); then starts counting afresh."""
-        out: dict[str, float] = {}
-        for name in self.names:
-            calls, failures, seconds = self.stats.get(name, [0, 0, 0.0])
-            out[f"env/tools/{name}/calls"] = calls / max(1, episodes)
-            out[f"env/tools/{name}/failures"] = failures / max(1, episodes)
-            out[f"env/tools/{name}/latency_s"] = seconds / calls if calls else 0.0
-        self.reset()
-        return out
+        """:meth:`take`, as ``env/tools/<name>/...`` per episode (:func:`grpo.environments.metrics.tool_metrics`)."""
+        from grpo.environments.metrics import tool_metrics
+
+        return tool_metrics(self.take(), episodes)

@@ -24,9 +24,20 @@ the batch; no value is NaN (TRL averages a logging step's values, and one NaN wo
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from grpo.environments.episodes import Episode
+
+
+def tool_metrics(totals: Mapping[str, Sequence[float]], episodes: int) -> dict[str, float]:
+    """``env/tools/<tool>/calls|failures|latency_s`` from each tool's ``(calls, failures, seconds)`` over
+    ``episodes`` episodes, in the order of ``totals``."""
+    out: dict[str, float] = {}
+    for name, (calls, failures, seconds) in totals.items():
+        out[f"env/tools/{name}/calls"] = calls / max(1, episodes)
+        out[f"env/tools/{name}/failures"] = failures / max(1, episodes)
+        out[f"env/tools/{name}/latency_s"] = seconds / calls if calls else 0.0
+    return out
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
@@ -56,10 +67,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         "env/errors": sum(ep.error is not None for ep in episodes) / n,
         "env/unknown_tool_calls": unknown / n,
     }
-    for name in sorted(calls):
-        out[f"env/tools/{name}/calls"] = calls[name] / n
-        out[f"env/tools/{name}/failures"] = failures.get(name, 0) / n
-        out[f"env/tools/{name}/latency_s"] = seconds[name] / calls[name] if calls[name] else 0.0
+    out |= tool_metrics({name: (calls[name], failures.get(name, 0), seconds[name]) for name in sorted(calls)}, n)
     rewards: dict[str, list[float]] = {}
     for ep in episodes:
         name = getattr(ep, "environment", None)

@@ -68,7 +68,7 @@ def _chat_tools_key(cfg) -> dict[str, Any]:
     """The plan's key part for protocol chat, whose prompts carry the tools' schemas (none otherwise, so earlier plans
     keep their keys)."""
     env = cfg.environment
-    if not (env.enabled and env.protocol == "chat"):
+    if not env.is_chat:
         return {}
     return {"chat_tools": {"name": env.name, "kwargs": env.kwargs, "tools": env.tools}}
 

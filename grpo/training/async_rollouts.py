@@ -70,7 +70,7 @@ class AsyncRollouts:
         from grpo.training.async_producer import environment_module_files
 
         env = getattr(self.experiment, "environment", None)
-        if env is None or not env.enabled or env.protocol != "text":
+        if env is None or not env.is_text:
             return None
         return EpisodeSettings(name=env.name, kwargs=dict(env.kwargs), tools=tuple(env.tools), max_turns=env.max_turns,
                                max_completion_length=self.max_completion_length, step_timeout=env.step_timeout,

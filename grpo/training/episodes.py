@@ -33,7 +33,7 @@ import torch
 from grpo.environments import ROUTING_COLUMN, ToolEnvironment, get_tool, make_environment
 from grpo.environments.chat import ToolLedger
 from grpo.environments.episodes import ENV_LOGPROB, Episode, rollout_fields, run_episodes
-from grpo.environments.metrics import episode_metrics
+from grpo.environments.metrics import episode_metrics, tool_metrics
 
 # Columns the rollout adds to a row (TRL merges rollout_func's extra fields into the rows): not the dataset's, so
 # never passed to reset(**row), e.g. when a re-rolled row comes back.
@@ -123,17 +123,15 @@ class EnvironmentRollouts:
     def _log_chat_tool_metrics(self, episodes: int) -> None:
         """Protocol chat: the generation batch's per-tool calls, failures and latency (:class:`ToolLedger`), summed
         over every rank (the same values on every rank)."""
-        ledger = self._tool_ledger
-        if ledger is None:
+        if self._tool_ledger is None:
             return
-        totals = torch.tensor([[*ledger.stats.get(name, [0, 0, 0.0])] for name in ledger.names] + [[episodes, 0, 0]],
-                              dtype=torch.float64, device=self.accelerator.device)
+        taken = self._tool_ledger.take()
+        totals = torch.tensor([*taken.values(), [episodes, 0, 0]], dtype=torch.float64, device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
             totals = self.accelerator.reduce(totals, reduction="sum")
-        for name, row in zip(ledger.names, totals.tolist()):
-            ledger.stats[name] = row
+        *rows, (everyone, _, _) = totals.tolist()
         mode = "train" if self.model.training else "eval"
-        for name, value in ledger.metrics(int(totals[-1, 0].item())).items():
+        for name, value in tool_metrics(dict(zip(taken, rows)), int(everyone)).items():
             self._metrics[mode][name].append(value)
 
     # ------------------------------------------------------------ TRL's rollout_func

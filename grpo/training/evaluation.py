@@ -237,8 +237,11 @@ def evaluate_environment(
     base = dict(kwargs or {})
     standalone = [get_tool(t) for t in tools]
 
+    def env_name(row: Mapping[str, Any]) -> str:
+        return row.get(ROUTING_COLUMN) or environment
+
     def build(row: Mapping[str, Any], options: Mapping[str, Any]) -> Any:
-        name = row.get(ROUTING_COLUMN) or environment
+        name = env_name(row)
         return make_environment(name, **options) if name == environment else make_environment(name)
 
     if protocol == "chat":
@@ -250,8 +253,10 @@ def evaluate_environment(
             return correctness(prompts=[row.get("prompt")], completions=[[{"role": "assistant", "content": answer}]],
                                **columns)[0]
 
-        texts = [prompt_texts([p], tokenizer, chat_tools(build(row, base), standalone))[0]
-                 for p, row in zip(prompts, rows)]
+        # the tools rendered into a prompt, by the environment its row runs in (one instance each, not one a row)
+        schemas = {name: chat_tools(build(row, base), standalone) for name, row in
+                   {env_name(row): row for row in rows}.items()}
+        texts = [prompt_texts([p], tokenizer, schemas[env_name(row)])[0] for p, row in zip(prompts, rows)]
     else:
         texts = prompt_texts(prompts, tokenizer)
     prompt_ids = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]

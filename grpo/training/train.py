@@ -44,7 +44,7 @@ def grpo_args(cfg: ExperimentConfig, output_dir: Path, use_cpu: bool = True):
         use_bias_correction_kl=cfg.async_.use_bias_correction_kl,
     )
     env = cfg.environment
-    if env.enabled and env.protocol == "chat":  # TRL's tool loop reads its turn limit from GRPOConfig
+    if env.is_chat:  # TRL's tool loop reads its turn limit from GRPOConfig
         kwargs["max_tool_calling_iterations"] = env.max_tool_calling_iterations
     kwargs.update(g.extra)
     from grpo.training.rollout_engines import engine_kind
