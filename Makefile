@@ -26,11 +26,12 @@ demo: $(STAMP)
 # The whole suite on TEST_WORKERS pytest-xdist workers (whole modules each, longest first: tests/conftest.py). Four on
 # 2 cores: the tests spend much of their time waiting on the processes and servers they start, and the workers share
 # one Prefect and one MLflow server (tests/servers.py) and one artefact cache, so another worker adds no servers. Five
-# were 27 s faster in a clean-clone run (15m57s against 16m24s) and once kept the shared Prefect server's SQLite busy
-# past its clients' retries; four keep the margin.
+# once kept the shared Prefect server's SQLite busy past its clients' retries; four keep the margin.
+# --no-loadscope-reorder: xdist otherwise hands out the modules with the most tests first, whatever the collection
+# order, which left the longest modules (a few slow tests each: the UI runs, the signals) to start last.
 TEST_WORKERS ?= 4
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The edit-test loop: the unit layer only (no training, servers, browsers or extra processes; ~1 minute).
 test-fast: $(STAMP)

@@ -14,9 +14,33 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from benchmarks._sizes import TINY_SMOKE_OVERRIDES, size
+
+
+def build_trainer(trainer_cls: type, cfg: Any, policy: Any, train_dataset: Any, output_dir: Path,
+                  use_cpu: bool = True, callbacks: Sequence[Any] = ()) -> Any:
+    """``trainer_cls`` (ours or stock ``trl.GRPOTrainer``) as these benchmarks compare them: a copy of ``policy``'s
+    model, the config's ``trl.GRPOConfig`` (``grpo_args``) and rewards, the config's seed, no checkpoints and no
+    printed log dicts; ours also gets the config (``experiment``)."""
+    from transformers import PrinterCallback, set_seed
+
+    from grpo.rewards import get_reward
+    from grpo.training.train import grpo_args
+    from grpo.training.trainer import GRPOTrainer
+
+    set_seed(cfg.grpo.seed)
+    args = grpo_args(cfg, output_dir, use_cpu=use_cpu)
+    args.save_strategy, args.disable_tqdm = "no", True
+    extra = {"experiment": cfg} if trainer_cls is GRPOTrainer else {}
+    trainer = trainer_cls(model=copy.deepcopy(policy.model), processing_class=policy.tokenizer,
+                          reward_funcs=[get_reward(n) for n in cfg.grpo.reward_funcs], args=args,
+                          train_dataset=train_dataset, callbacks=list(callbacks), **extra)
+    trainer.remove_callback(PrinterCallback)  # the log dicts Trainer prints without tqdm: noise here
+    return trainer
 
 
 def main(smoke: bool = False) -> dict:
@@ -24,13 +48,10 @@ def main(smoke: bool = False) -> dict:
     rounds = size("BENCH_ROUNDS", 3, 1, smoke)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import trl
-    from transformers import PrinterCallback, set_seed
 
     from grpo.config import load_config
     from grpo.pipeline.data import load_data
-    from grpo.rewards import get_reward
     from grpo.training.policy import load_policy
-    from grpo.training.train import grpo_args
     from grpo.training.trainer import GRPOTrainer
 
     out = Path(tempfile.mkdtemp(prefix="bench-parity-"))
@@ -42,14 +63,7 @@ def main(smoke: bool = False) -> dict:
     completions_per_step = cfg.generation_batch_size // (cfg.grpo.steps_per_generation or 1)
 
     def one(trainer_cls, tag: str) -> tuple[float, float]:
-        set_seed(cfg.grpo.seed)
-        args = grpo_args(cfg, out / tag)
-        args.save_strategy, args.disable_tqdm = "no", True
-        extra = {"experiment": cfg} if trainer_cls is GRPOTrainer else {}
-        trainer = trainer_cls(model=copy.deepcopy(policy.model), processing_class=policy.tokenizer,
-                              reward_funcs=[get_reward(n) for n in cfg.grpo.reward_funcs], args=args,
-                              train_dataset=data["train"], **extra)
-        trainer.remove_callback(PrinterCallback)  # the log dicts Trainer prints without tqdm: noise here
+        trainer = build_trainer(trainer_cls, cfg, policy, data["train"], out / tag)
         start = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - start

@@ -118,7 +118,7 @@ class PrefectProgress(TrainerCallback):
     """Keeps a Prefect progress artifact at the fraction of optimizer steps done, on the train subflow's run and on
     the pipeline's own run (``parent_flow_run_id``: where a person looks first); its description says the step, the
     last logged reward and the accuracy before training (``eval_before``), e.g.
-    ``step 20/500 · reward 0.412 ±0.31 · eval accuracy before 0.725``.
+    ``step 20/150 · reward 0.412 ±0.31 · eval accuracy before 0.725``.
 
     The Trainer calls ``on_step_end`` before ``on_log`` for the same step, so the artifact is updated after the log
     too: a logging step's description carries that step's reward, not the previous one's."""

@@ -22,7 +22,7 @@ SpaceField = _form({
 TrialStepsField = _form({
     "type": "integer", "exclusiveMinimum": 0, "title": "Training steps per trial",
     "description": "`grpo.max_steps` of every trial, so a sweep finishes in minutes; a space that varies "
-                   "`grpo.max_steps` sets it per trial. Empty: the preset's value (tiny: 500).",
+                   "`grpo.max_steps` sets it per trial. Empty: the preset's value (tiny: 150).",
 })
 ConcurrencyField = _form({
     "type": "integer", "minimum": 1, "title": "Trials at once",

@@ -57,6 +57,22 @@ def _chunked_backward(r: dict) -> None:
     assert r["peak_ratio_chunked_over_unchunked"] is None or _finite(r["peak_ratio_chunked_over_unchunked"], 0.0)
 
 
+def _cuda_trainer(r: dict) -> None:
+    # smoke: the same code on the CPU in fp32, a 2-layer model, every variant in the benchmark's process
+    assert (r["device"], r["dtype"], r["steps"], r["async_steps"], r["skip"]) == ("cpu", "float32", 2, 2, 0), r
+    assert r["model"]["vocab_size"] == 512 and r["completions_per_step"] == 4
+    assert set(r["variants"]) == {"trl", "ours", "ours_features_off", "env_sync", "ours_async", "env_async"}
+    for name, v in r["variants"].items():
+        assert v["error"] is None and v["steps_done"] == 2, (name, v)
+        assert _finite(v["step_s"], 1e-6) and _finite(v["completion_tokens_per_s"], 1e-6), (name, v)
+        assert v["peak_cuda_gib"] is None, (name, v)
+    for name in ("trl", "ours", "ours_async"):
+        assert 0 < r["variants"][name]["completion_mean_length"] <= r["completion_length"], r["variants"][name]
+    for key in ("ratio_step_ours_over_trl", "ratio_step_ours_over_features_off", "ratio_step_features_off_over_trl",
+                "ratio_step_async_over_sync", "ratio_step_env_async_over_sync"):
+        assert _finite(r[key], 1e-6), (key, r[key])
+
+
 def _env_concurrency(r: dict) -> None:
     assert r["episodes_identical"] is True  # concurrent and serial steps: the same episodes
     assert r["tool_calls"] == r["episodes"] * r["turns"] == 16, r  # smoke: 8 episodes x 2 tool turns
@@ -123,6 +139,7 @@ CHECKS: dict[str, Callable[[dict], None]] = {
     "async_overlap": _async_overlap,
     "balance": _balance,
     "chunked_backward": _chunked_backward,
+    "cuda_trainer": _cuda_trainer,
     "env_concurrency": _env_concurrency,
     "plan": _plan,
     "reward_pool": _reward_pool,
@@ -169,6 +186,15 @@ def test_smoke_needs_a_smoke_mode(tmp_path):
     full = run("legacy")
     assert full.returncode == 0 and json.loads(full.stdout.splitlines()[-1]) == {"benchmark": "legacy", "ran": True,
                                                                                  "smoke": False}
+
+
+def test_cuda_trainer_without_cuda_is_one_line_and_exit_2():
+    """Without ``--smoke`` it times the trainers on a GPU: on a machine without CUDA it stops at once."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "cuda_trainer"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == "", (proc.stdout, proc.stderr)
+    assert proc.stderr.strip().startswith("cuda_trainer: no CUDA device") and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_an_unknown_async_overlap_task_is_one_line_naming_the_valid_ones():

@@ -43,6 +43,26 @@ def exact_match_gated(completions, answer, **kwargs):
     while os.path.exists(gate):
         time.sleep(0.1)
     return exact_match(completions, answer)
+
+
+if "GRPO_TEST_GATE" in os.environ:  # the served runs' processes, not the test's own
+    import functools
+    from grpo import rewards
+
+    _preset_reward = rewards.get_reward("exact_match")
+
+    @functools.wraps(_preset_reward)
+    def exact_match_held(completions, answer, **kwargs):
+        # The preset's own reward, held inside a training step (TRL passes trainer_state; evaluation does not) while
+        # the preset gate exists: a Quick run can not name another reward, and its stop must land mid-run.
+        gate = os.environ["GRPO_TEST_GATE"] + "-preset"
+        if "trainer_state" in kwargs and os.path.exists(gate):
+            open(gate + ".reached", "w").close()
+            while os.path.exists(gate):
+                time.sleep(0.1)
+        return _preset_reward(completions, answer, **kwargs)
+
+    rewards.REWARDS._entries["exact_match"] = exact_match_held
 """
 
 
@@ -212,11 +232,12 @@ def test_a_custom_run_with_nothing_changed_trains_the_preset_to_the_end(served, 
     run_dir = served.run_dir(run)
     assert _changed(run_dir / "config.yaml") == {}  # the preset, field for field
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 500
+    steps, every = _tiny()["grpo.max_steps"], _tiny()["grpo.logging_steps"]
+    assert summary["steps"] == steps
     # It learns: the mean reward of sampled completions rises, and greedy held-out accuracy with it.
     rewards = [row["metrics"]["reward"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
                if "reward" in row.get("metrics", {})]
-    assert len(rewards) == 50  # each the mean over 10 steps of 256 sampled completions
+    assert len(rewards) == steps // every >= 10  # each the mean over `every` steps of 256 sampled completions
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.03, rewards
     assert summary["eval_accuracy_after"] >= summary["eval_accuracy_before"] + 0.1, summary
     assert {"reward", "reward_std", "frac_reward_zero_std", "rewards/exact_match/mean", "entropy", "step_time",
@@ -232,7 +253,7 @@ def test_a_custom_run_with_nothing_changed_trains_the_preset_to_the_end(served, 
     last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if "reward" in json.loads(line).get("metrics", {})][-1]
     assert progress["data"] == 100.0 and progress["description"].startswith(
-        f"step 500/500 · reward {last['metrics']['reward']:.3f}"), (progress, last)
+        f"step {steps}/{steps} · reward {last['metrics']['reward']:.3f}"), (progress, last)
     ui = served.server.url.removesuffix("/api")
     page.goto(f"{ui}/runs/flow-run/{created['id']}", wait_until="networkidle")
     page.get_by_text("Completed").first.wait_for(timeout=30_000)
@@ -240,30 +261,37 @@ def test_a_custom_run_with_nothing_changed_trains_the_preset_to_the_end(served, 
 
 
 def test_a_quick_run_is_the_preset_and_cancel_in_the_ui_saves_a_checkpoint(served, page):
-    """Run → Quick run trains the tiny preset (its config.yaml); Cancel on its page stops training at the end of a
-    step with a checkpoint: the train subflow ends Cancelled and its log says which step was saved and how to
-    resume (500 steps leave the stop hundreds of steps to land in)."""
+    """Run → Quick run trains the tiny preset (its config.yaml); Cancel on its page, pressed while the first step
+    waits in the preset's reward, stops training at the end of that step with a checkpoint: the train subflow ends
+    Cancelled and its log says which step was saved and how to resume."""
     from playwright.sync_api import expect
 
     deployment_id = served.deployment()["id"]
     ui = served.server.url.removesuffix("/api")
     known = _known(served, deployment_id)
+    gate = Path(served.env["GRPO_TEST_GATE"] + "-preset")
+    gate.touch()
     page.goto(f"{ui}/deployments/deployment/{deployment_id}", wait_until="networkidle")
     created = submit(page, served.server, deployment_id, known, button="Quick run")
     run_dir = served.run_dir(served.server.get(f"flow_runs/{created['id']}"))
-    _wait_file(run_dir / "metrics.jsonl", log=served.log)  # the first logged step: training runs
+    _wait_file(Path(f"{gate}.reached"), log=served.log)  # training is inside its first step
     assert _changed(run_dir / "config.yaml") == {}
 
     page.goto(f"{ui}/runs/flow-run/{created['id']}", wait_until="networkidle")
     page.get_by_role("button", name="Cancel", exact=True).first.click()
     page.get_by_role("dialog").get_by_role("button", name="Confirm", exact=True).click()
+    deadline = time.monotonic() + 300
+    while "SIGTERM: saving a checkpoint at the end of this step" not in served.log.read_text():
+        assert time.monotonic() < deadline, served.log.read_text()[-3000:]
+        time.sleep(0.5)
+    gate.unlink()  # the step ends, its checkpoint is saved
     run = served.wait(created["id"], timeout=600)
     assert run["state"]["type"] == "CANCELLED", run["state"]
     train = served.subflows(created["id"])["train"]
     message = train["state"]["message"]
     assert train["state"]["type"] == "CANCELLED", train["state"]
     step = int(re.search(r"checkpoint at step (\d+) saved", message).group(1))
-    assert (run_dir / "checkpoints" / f"checkpoint-{step}").is_dir() and 0 < step < 500
+    assert step == 1 and (run_dir / "checkpoints" / "checkpoint-1").is_dir()
     assert f"MLflow run name {run_dir.name!r} and Resume on" in message
     # The flow run's log handler ships records in batches: the line may reach the server after the final state.
     deadline = time.monotonic() + 120

@@ -297,7 +297,7 @@ class GRPOSection(_Section):
     model_config = ConfigDict(**_Section.model_config, json_schema_extra=trl_help)
 
     learning_rate: float = Field(1e-4, gt=0)
-    max_steps: int = Field(500, ge=1, description="Optimizer steps.")
+    max_steps: int = Field(150, ge=1, description="Optimizer steps.")
     per_device_train_batch_size: int = Field(256, ge=1, description="Completions per device per micro-step.")
     gradient_accumulation_steps: int = Field(1, ge=1)
     num_generations: int = Field(8, ge=2, description="Completions per prompt (the group size).")
@@ -332,7 +332,7 @@ class GRPOSection(_Section):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     logging_steps: int = Field(10, ge=1)
-    save_steps: int = Field(100, ge=1, description="Checkpoint every N steps (resume point).")
+    save_steps: int = Field(50, ge=1, description="Checkpoint every N steps (resume point).")
     save_total_limit: int | None = Field(2, ge=1)
     seed: int = 0
     bf16: bool = False
