@@ -86,20 +86,3 @@ def recorded_calls(log: Path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in Path(log).read_text().splitlines()]
-
-
-# Modules that take longest (servers, training, multi-process), started first so that xdist's workers finish
-# together (``--dist loadfile --no-loadscope-reorder`` hands out whole modules in collection order, each to the first
-# free worker). By their totals in a clean-clone run (a timestamp per test, 4 workers): the benchmark smokes ~860 s,
-# the UI runs, signals, infra, multi-process, chat protocol and sweep modules 350-450 s each, and so on down to ~25 s.
-LONGEST_FIRST = ["test_benchmarks", "test_signals", "test_ui_runs", "test_infra", "test_multiprocess",
-                 "test_chat_protocol", "test_sweep", "test_invariants", "test_ui_schedule", "test_pipeline",
-                 "test_training", "test_faults", "test_policy", "test_async", "test_cli", "test_architectures",
-                 "test_plan", "test_off_policy", "test_ui", "test_tracking", "test_lora", "test_dashboard",
-                 "test_loss_extensions", "test_async_episodes", "test_openenv", "test_compaction",
-                 "test_browser_dashboard", "test_env_presets", "test_traces", "test_own_model"]
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))
