@@ -35,13 +35,17 @@ GATED_REWARD = """
 import os, time
 from grpo.rewards import register_reward, exact_match
 
-@register_reward("exact_match_gated")
-def exact_match_gated(completions, answer, **kwargs):
+
+def hold(gate):
     # Blocks while the gate file exists: the test holds training inside a step until its stop has arrived.
-    gate = os.environ["GRPO_TEST_GATE"]
     open(gate + ".reached", "w").close()
     while os.path.exists(gate):
         time.sleep(0.1)
+
+
+@register_reward("exact_match_gated")
+def exact_match_gated(completions, answer, **kwargs):
+    hold(os.environ["GRPO_TEST_GATE"])
     return exact_match(completions, answer)
 
 
@@ -57,9 +61,7 @@ if "GRPO_TEST_GATE" in os.environ:  # the served runs' processes, not the test's
         # the preset gate exists: a Quick run can not name another reward, and its stop must land mid-run.
         gate = os.environ["GRPO_TEST_GATE"] + "-preset"
         if "trainer_state" in kwargs and os.path.exists(gate):
-            open(gate + ".reached", "w").close()
-            while os.path.exists(gate):
-                time.sleep(0.1)
+            hold(gate)
         return _preset_reward(completions, answer, **kwargs)
 
     rewards.REWARDS._entries["exact_match"] = exact_match_held
@@ -190,6 +192,16 @@ def _tiny() -> dict:
     return flatten(load_config("tiny"))
 
 
+def _release_once_stopping(served, gate: Path) -> None:
+    """Once the served run's log says the stop has arrived, remove the gate its held step waits on: the step ends and
+    its checkpoint is saved."""
+    deadline = time.monotonic() + 300
+    while "SIGTERM: saving a checkpoint at the end of this step" not in served.log.read_text():
+        assert time.monotonic() < deadline, served.log.read_text()[-3000:]
+        time.sleep(0.5)
+    gate.unlink()
+
+
 def _changed(path: Path) -> dict:
     tiny = _tiny()
     return {k: v for k, v in _flat_config(path).items() if tiny[k] != v}
@@ -232,7 +244,8 @@ def test_a_custom_run_with_nothing_changed_trains_the_preset_to_the_end(served, 
     run_dir = served.run_dir(run)
     assert _changed(run_dir / "config.yaml") == {}  # the preset, field for field
     summary = json.loads((run_dir / "summary.json").read_text())
-    steps, every = _tiny()["grpo.max_steps"], _tiny()["grpo.logging_steps"]
+    tiny = _tiny()
+    steps, every = tiny["grpo.max_steps"], tiny["grpo.logging_steps"]
     assert summary["steps"] == steps
     # It learns: the mean reward of sampled completions rises, and greedy held-out accuracy with it.
     rewards = [row["metrics"]["reward"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
@@ -280,11 +293,7 @@ def test_a_quick_run_is_the_preset_and_cancel_in_the_ui_saves_a_checkpoint(serve
     page.goto(f"{ui}/runs/flow-run/{created['id']}", wait_until="networkidle")
     page.get_by_role("button", name="Cancel", exact=True).first.click()
     page.get_by_role("dialog").get_by_role("button", name="Confirm", exact=True).click()
-    deadline = time.monotonic() + 300
-    while "SIGTERM: saving a checkpoint at the end of this step" not in served.log.read_text():
-        assert time.monotonic() < deadline, served.log.read_text()[-3000:]
-        time.sleep(0.5)
-    gate.unlink()  # the step ends, its checkpoint is saved
+    _release_once_stopping(served, gate)
     run = served.wait(created["id"], timeout=600)
     assert run["state"]["type"] == "CANCELLED", run["state"]
     train = served.subflows(created["id"])["train"]
@@ -334,11 +343,7 @@ def test_a_changed_run_stopped_mid_step_resumes_from_the_form(served, page):
     _wait_file(Path(f"{gate}.reached"), log=served.log)  # training is inside its first step
     served.server.post(f"flow_runs/{created['id']}/set_state",
                        {"state": {"type": "CANCELLING", "name": "Cancelling"}})  # what Cancel in the UI sends
-    deadline = time.monotonic() + 300
-    while "SIGTERM: saving a checkpoint at the end of this step" not in served.log.read_text():
-        assert time.monotonic() < deadline, served.log.read_text()[-3000:]
-        time.sleep(0.5)
-    gate.unlink()  # the step ends, its checkpoint is saved
+    _release_once_stopping(served, gate)
     run = served.wait(created["id"], timeout=600)
     assert run["state"]["type"] == "CANCELLED", run["state"]
     assert served.subflows(created["id"])["train"]["state"]["type"] == "CANCELLED"

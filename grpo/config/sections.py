@@ -476,7 +476,7 @@ class EnvironmentSection(_Section):
 
     @property
     def is_text(self) -> bool:
-        """A named environment whose episodes THE episode runner runs (protocol text)."""
+        """A named environment whose episodes the platform's episode runner runs (protocol text)."""
         return self.enabled and self.protocol == "text"
 
     @property
