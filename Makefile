@@ -28,9 +28,10 @@ demo: $(STAMP)
 # one Prefect and one MLflow server (tests/servers.py) and one artefact cache, so another worker adds no servers. Five
 # once kept the shared Prefect server's SQLite busy past its clients' retries; four keep the margin.
 # xdist hands out the modules with the most tests first (its loadscope reorder), each to the first free worker, so
-# the few-test modules that wait on servers and browsers run beside many quick CPU-bound ones. Handing out the longest
-# modules first instead (--no-loadscope-reorder) ran every server and browser module at once: the workers ended
-# together, but the suite took longer (17m11s against 16m24s idle).
+# the few-test modules that wait on servers and browsers run beside many quick CPU-bound ones; tests/conftest.py hands
+# out two of them first (HANDED_OUT_FIRST), which otherwise ran alone at the end. Handing out every long module first
+# (--no-loadscope-reorder) ran every server and browser module at once: the workers ended together, but the suite took
+# longer (17m11s against 16m24s idle).
 TEST_WORKERS ?= 4
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)

@@ -28,6 +28,29 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 REPO = Path(__file__).resolve().parent.parent
 
+# `make test` hands whole modules to the xdist workers (--dist loadfile), those with the most tests first (xdist's
+# loadscope reorder), each to the first worker running low. These few-test modules take minutes on one worker, most
+# of it waiting on a served deployment, a browser or a cron minute: handed out last, each ran alone at the end of the
+# suite (the one-test schedule module for its last ~150 s). Handed out first, their waits overlap the CPU-bound
+# modules. Only these: handing out every long module first ran all the server and browser modules at once and made
+# the suite longer.
+HANDED_OUT_FIRST = ("tests/test_ui_runs.py", "tests/test_ui_schedule.py")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongWaitingModulesFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            for scope in reversed(HANDED_OUT_FIRST):
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return LongWaitingModulesFirst(config, log)
+
 # Real servers shared by the whole session (tests/servers.py): the ``mlflow_server`` fixture.
 pytest_plugins = ["tests.servers"]
 

@@ -29,6 +29,7 @@ from tests.browser import (
     form_property,
     open_section,
     open_select,
+    park,
     require_chromium,
     submit,
 )
@@ -574,6 +575,7 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
             created = submit(page, s, deployment_id, set())
             flow_run_id = created["id"]
             page.wait_for_url(re.compile(rf".*/deployments/deployment/{deployment_id}(\?.*)?$"), timeout=120_000)
+            park(page)
 
             worker = s.run(str(BIN / "prefect"), "worker", "start", "--pool", "cpu-pool", "--run-once", "--name",
                            "ui-worker", cwd=tmp_path, timeout=300)

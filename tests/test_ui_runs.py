@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import SCREENSHOTS, SECTION_TITLES, form_property, open_section, open_select, submit
+from tests.browser import SCREENSHOTS, SECTION_TITLES, form_property, open_section, open_select, park, submit
 from tests.servers import BIN
 
 pytestmark = pytest.mark.integration
@@ -238,6 +238,7 @@ def test_a_custom_run_with_nothing_changed_trains_the_preset_to_the_end(served, 
     enabled.scroll_into_view_if_needed()
     page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-default-sections.png"))
     created = submit(page, served.server, deployment_id, known)
+    park(page)
     run = served.wait(created["id"])
     assert run["state"]["type"] == "COMPLETED", (run["state"], served.log.read_text()[-4000:])
 
@@ -294,6 +295,7 @@ def test_a_quick_run_is_the_preset_and_cancel_in_the_ui_saves_a_checkpoint(serve
     page.get_by_role("button", name="Cancel", exact=True).first.click()
     page.get_by_role("dialog").get_by_role("button", name="Confirm", exact=True).click()
     _release_once_stopping(served, gate)
+    park(page)
     run = served.wait(created["id"], timeout=600)
     assert run["state"]["type"] == "CANCELLED", run["state"]
     train = served.subflows(created["id"])["train"]
@@ -340,6 +342,7 @@ def test_a_changed_run_stopped_mid_step_resumes_from_the_form(served, page):
     known = _known(served, deployment_id)
     _fill_run(page, "ui-changed", 12)
     created = submit(page, served.server, deployment_id, known)
+    park(page)
     _wait_file(Path(f"{gate}.reached"), log=served.log)  # training is inside its first step
     served.server.post(f"flow_runs/{created['id']}/set_state",
                        {"state": {"type": "CANCELLING", "name": "Cancelling"}})  # what Cancel in the UI sends
@@ -357,6 +360,7 @@ def test_a_changed_run_stopped_mid_step_resumes_from_the_form(served, page):
         open_section(page, title)
     page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-resume.png"))
     resumed = submit(page, served.server, deployment_id, known)
+    park(page)
     run = served.wait(resumed["id"])
     assert run["state"]["type"] == "COMPLETED", (run["state"], served.log.read_text()[-4000:])
     assert _changed(run_dir / "config.yaml") == {"grpo.max_steps": 12,
@@ -410,6 +414,7 @@ def test_an_environment_preset_from_the_form_trains_on_episodes_and_its_summary_
     form_property(page, "Environments and tools").scroll_into_view_if_needed()
     page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-environment.png"))
     created = submit(page, served.server, deployment_id, known)
+    park(page)
     run = served.wait(created["id"])
     assert run["state"]["type"] == "COMPLETED", (run["state"], served.log.read_text()[-4000:])
 
