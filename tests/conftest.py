@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 HANDED_OUT_FIRST = ("tests/test_ui_runs.py", "tests/test_ui_schedule.py")
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run with `-p no:xdist` does not know it
 def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "loadfile":
         return None
