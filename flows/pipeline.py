@@ -4,6 +4,10 @@ with each stage a named Prefect subflow; one Prefect flow run and one MLflow run
 The flow's parameters are the Prefect UI's run form (:mod:`flows.run_form`): a preset, the fields people change most,
 one collapsed group per config section. A retry of the flow run (or ``grpo run --resume``) continues the same run
 directory from its last checkpoint and logs into the same MLflow run.
+
+Importing this module imports Prefect, the config and the form, not the training stack or MLflow (the recipe, the
+stages and the progress callback are imported by a run): ``grpo serve`` and ``grpo deploy`` import it to build their
+deployments.
 """
 
 from __future__ import annotations
@@ -11,13 +15,13 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.context import get_run_context
 from prefect.states import Cancelled, Failed
 
-import grpo.pipeline.stages
 from flows.run_form import (
     UNSET,
     AsyncSettings,
@@ -46,7 +50,6 @@ from flows.run_form import (
     given,
 )
 from flows.stages import (
-    PrefectProgress,
     dataset_summary,
     dataset_table,
     eval_flow,
@@ -59,11 +62,12 @@ from grpo.config import ExperimentConfig, resolve_config
 from grpo.console import quiet_library_noise
 from grpo.errors import GRPOPlatformError
 from grpo.pipeline.confine import check_config_paths
-from grpo.pipeline.recipe import run_recipe
 from grpo.pipeline.run_context import RunContext
 from grpo.runs import RunDir, open_run_dir
 from grpo.tracking.store import mlflow_ui_url
-from grpo.tracking.tracker import MlflowTracker
+
+if TYPE_CHECKING:
+    from grpo.tracking.tracker import MlflowTracker
 
 
 @flow(name="grpo-train", flow_run_name="train")
@@ -75,6 +79,9 @@ def train_flow(config: ExperimentConfig, run_dir: str, data_dir: str, plan_path:
     which step was saved and how to resume. The signal's exception still reaches the pipeline, which unwinds as
     before (MLflow run KILLED, the flow run Cancelled)."""
     from prefect.runtime import flow_run
+
+    import grpo.pipeline.stages
+    from flows.progress import PrefectProgress
 
     run = RunDir(Path(run_dir))
     context = RunContext.for_run_dir(run.path)  # the pipeline's (PrefectStages.train): parameters stay JSON
@@ -233,6 +240,8 @@ def grpo_pipeline(
     if flow_run_id is not None:
         context.flow_runs.append(flow_run_id)  # grpo run / grpo sweep cancel it on Ctrl-C / SIGTERM
     logger.info(f"run directory {run.path} (resume={resume})")
+
+    from grpo.pipeline.recipe import run_recipe  # the training stack: imported by a run, not by `grpo serve`
 
     tags = {"prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": flow_run_name,
             "prefect.deployment": _deployment_name(), "prefect.ui_url": _ui_url(flow_run_id),

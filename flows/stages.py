@@ -2,7 +2,12 @@
 
 Prep and plan are cached across runs on their inputs and the code that computes them (a changed training field
 reuses them); prep and eval retry on transient failure; training never retries blindly: a new attempt resumes
-from the last checkpoint. Every stage leaves artifacts in Prefect: a markdown summary, tables, training progress.
+from the last checkpoint. Every stage leaves artifacts in Prefect: a markdown summary, tables, training progress
+(:mod:`flows.progress`).
+
+The stages' own code (:mod:`grpo.pipeline.stages`: the training stack) is imported when a stage runs, not with this
+module: ``grpo serve`` and ``grpo deploy`` import the flows to build their deployments and forms, and a served
+deployment's flow run imports what it runs.
 """
 
 from __future__ import annotations
@@ -12,16 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, task
-from prefect.artifacts import (
-    ProgressArtifact,
-    create_markdown_artifact,
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
-from transformers import TrainerCallback
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-import grpo.pipeline.stages
 from grpo.config import ExperimentConfig
 from grpo.errors import GRPOPlatformError
 from grpo.pipeline.cache_dirs import PLAN_CODE, PREP_CODE, plan_dir_for, prep_dir_for, stage_key
@@ -51,6 +48,8 @@ def transient(task, task_run, state) -> bool:
 @task(name="prepare-dataset", cache_key_fn=_cached_dir_key("prep", PREP_CODE), persist_result=True, retries=2,
       retry_delay_seconds=5, retry_condition_fn=transient)
 def prepare_task(data_config: dict, out_dir: str, config: ExperimentConfig) -> dict:
+    import grpo.pipeline.stages
+
     return grpo.pipeline.stages.cached_prep(config, Path(out_dir))  # out_dir: prep_flow already hashed the source
 
 
@@ -87,6 +86,8 @@ def dataset_table(stats: dict) -> list[dict]:
 
 @task(name="write-plan", cache_key_fn=_cached_dir_key("plan", PLAN_CODE), persist_result=True)
 def plan_task(plan_key: str, data_dir: str, out_dir: str, config: ExperimentConfig, data_hash: str) -> dict:
+    import grpo.pipeline.stages
+
     return grpo.pipeline.stages.cached_plan(config, data_dir, data_hash, Path(out_dir))
 
 
@@ -114,63 +115,11 @@ def plan_markdown(plan: dict) -> str:
             f"- epochs: {plan['epochs']}\n")
 
 
-class PrefectProgress(TrainerCallback):
-    """Keeps a Prefect progress artifact at the fraction of optimizer steps done, on the train subflow's run and on
-    the pipeline's own run (``parent_flow_run_id``: where a person looks first); its description says the step, the
-    last logged reward and the accuracy before training (``eval_before``), e.g.
-    ``step 20/150 · reward 0.412 ±0.31 · eval accuracy before 0.725``.
-
-    The Trainer calls ``on_step_end`` before ``on_log`` for the same step, so the artifact is updated after the log
-    too: a logging step's description carries that step's reward, not the previous one's."""
-
-    def __init__(self, eval_before: dict | None = None, parent_flow_run_id: str | None = None) -> None:
-        self.artifact_ids: list = []
-        self.before = eval_before
-        self.parent = parent_flow_run_id
-        self.logged: dict = {}
-
-    def describe(self, step: int, max_steps: int) -> str:
-        parts = [f"step {step}/{max_steps}"]
-        if isinstance(self.logged.get("reward"), (int, float)):
-            std = self.logged.get("reward_std")
-            parts.append(f"reward {self.logged['reward']:.3f}"
-                         + (f" ±{std:.2f}" if isinstance(std, (int, float)) else ""))
-        if self.before and self.before.get("accuracy") is not None:
-            parts.append(f"eval accuracy before {self.before['accuracy']:.3f}")
-        return " · ".join(parts)
-
-    @staticmethod
-    def _progress(state) -> float:
-        return 100.0 * state.global_step / state.max_steps if state.max_steps else 0.0
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            description = self.describe(state.global_step, state.max_steps)
-            self.artifact_ids = [create_progress_artifact(progress=self._progress(state), key="training-progress",
-                                                          description=description)]
-            if self.parent:
-                self.artifact_ids.append(ProgressArtifact(
-                    progress=self._progress(state), key="run-training-progress", description=description,
-                    flow_run_id=self.parent).create().id)
-
-    def _update(self, state) -> None:
-        if state.max_steps:
-            for artifact_id in self.artifact_ids:
-                update_progress_artifact(artifact_id, progress=self._progress(state),
-                                         description=self.describe(state.global_step, state.max_steps))
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs:
-            self.logged.update({k: v for k, v in logs.items() if k in ("reward", "reward_std")})
-            self._update(state)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self._update(state)
-
-
 @flow(name="grpo-eval", flow_run_name="eval-{tag}", retries=2, retry_delay_seconds=5)
 def eval_flow(config: ExperimentConfig, model_source: str, data_dir: str, out_file: str, tag: str) -> dict:
     """Greedy accuracy and pass@k of a model on the held-out split."""
+    import grpo.pipeline.stages
+
     record = grpo.pipeline.stages.evaluate_model(config, model_source, data_dir, out_file)
     k = config.evaluation.pass_k
     create_table_artifact(key=f"eval-samples-{tag}", table=record["samples"],
@@ -217,5 +166,5 @@ def summarize_for_ui(summary: dict[str, Any]) -> str:
     return f"## GRPO run `{summary.get('run_name', '')}`\n\n| | |\n| --- | --- |\n{table}\n"
 
 
-__all__ = ["prep_flow", "plan_flow", "eval_flow", "PrefectProgress", "RunDir", "dataset_summary", "dataset_table",
+__all__ = ["prep_flow", "plan_flow", "eval_flow", "RunDir", "dataset_summary", "dataset_table",
            "plan_markdown", "summarize_for_ui"]

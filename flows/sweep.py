@@ -28,7 +28,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
@@ -53,8 +53,9 @@ from flows.sweep_form import (
 from grpo.config import ExperimentConfig, resolve_config
 from grpo.pipeline.confine import check_config_paths
 from grpo.pipeline.run_context import RunContext
-from grpo.pipeline.sweep import InProcessTrials, InputStages, Sweep, Trial, default_sweep_name, results_table, run_sweep
-from grpo.tracking.sweep_runs import MlflowTrialRuns, ParentRun
+
+if TYPE_CHECKING:  # the sweep and its MLflow side are imported when a sweep runs, not by `grpo serve`
+    from grpo.pipeline.sweep import InputStages, Sweep, Trial
 
 _DEPLOYMENT_LOCK = threading.Lock()  # run_deployment's subflow task keys come from an unlocked per-flow counter
 
@@ -98,7 +99,11 @@ def warm_policy(config: ExperimentConfig, data_dir: str) -> str:
     return grpo.pipeline.stages.policy_stage(config, Path(data_dir), log=get_run_logger().info).source
 
 
-PREFECT_INPUTS = InputStages(prep=prep_flow, plan=plan_flow, policy=warm_policy)
+def prefect_inputs() -> InputStages:
+    """The inputs trials share, built as Prefect subflows (``grpo-prep``, ``grpo-plan``) and a task."""
+    from grpo.pipeline.sweep import InputStages
+
+    return InputStages(prep=prep_flow, plan=plan_flow, policy=warm_policy)
 
 
 class DeploymentTrials:
@@ -162,6 +167,8 @@ def _run_deployment(name: str, config: ExperimentConfig, run_name: str, tracking
 
 
 def _summary_from_mlflow(tracking: dict, index: int) -> dict:
+    from grpo.tracking.sweep_runs import MlflowTrialRuns, ParentRun
+
     parent = ParentRun(tracking["uri"], tracking["experiment_id"], tracking["parent_run_id"])
     return MlflowTrialRuns(parent).summary(index)
 
@@ -180,6 +187,8 @@ class PrefectArtifacts:
                                  description="The sweep's parent run in MLflow")
 
     def finished(self, result: dict[str, Any]) -> None:
+        from grpo.pipeline.sweep import results_table
+
         name = result["sweep_name"]
         create_table_artifact(key="sweep-results", table=json.loads(json.dumps(results_table(result["trials"]),
                                                                                default=str)),
@@ -236,6 +245,9 @@ def grpo_sweep(
     """
     from prefect.runtime import deployment as runtime_deployment
 
+    from grpo.pipeline.sweep import InProcessTrials, default_sweep_name, run_sweep
+    from grpo.tracking.sweep_runs import MlflowTrialRuns
+
     max_steps, deployment = given(max_steps), given(use_deployment)
     # every trial starts from the preset or this config, trained for max_steps when given (a space that varies
     # grpo.max_steps still sets each trial's own)
@@ -247,7 +259,7 @@ def grpo_sweep(
     if flow_run_id is not None:
         context.flow_runs.append(flow_run_id)  # `grpo sweep` cancels it, with its trials', on Ctrl-C / SIGTERM
     trials = (DeploymentTrials(deployment, given(trial_timeout)) if deployment
-              else InProcessTrials(_pipeline_subflow, PREFECT_INPUTS))
+              else InProcessTrials(_pipeline_subflow, prefect_inputs()))
     return run_sweep(config, space, trials, name=name, study_name=given(study_name),
                      storage=given(storage), deployment=runtime_deployment.name, metric=metric, direction=direction,
                      max_concurrency=max_concurrency, registered_model_name=given(registered_model_name),

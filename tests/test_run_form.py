@@ -100,3 +100,18 @@ def test_prefect_yaml_collapses_every_section_of_both_pipeline_deployments():
     assert len(pipelines) == 2
     for d in pipelines:
         assert {k: v for k, v in d["parameters"].items() if k in SECTIONS} == collapsed_sections(), d["name"]
+
+
+def test_trls_help_is_read_without_importing_trl_and_is_trls_own():
+    """The form's "(TRL)" help comes from ``trl.GRPOConfig``'s source (``grpo serve`` imports no TRL): the same text,
+    field by field, as the dataclass's own metadata, and it reaches the form."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from grpo.config.trl_and_rewards import grpo_config_help
+
+    assert grpo_config_help() == {f.name: f.metadata["help"] for f in dataclasses.fields(GRPOConfig)
+                                  if f.metadata.get("help")}
+    epsilon = section_schemas()["grpo_settings"]["properties"]["epsilon"]["description"]
+    assert " ".join(grpo_config_help()["epsilon"].split()).split(". ")[0].rstrip(".") + " (TRL)" in epsilon, epsilon

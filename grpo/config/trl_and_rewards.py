@@ -10,9 +10,14 @@ config (every ``grpo`` command, every test) costs no TRL import (seconds) and a 
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import dataclasses
 import difflib
+import functools
+import importlib.util
 from collections.abc import Collection, Iterable
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -26,6 +31,7 @@ __all__ = [
     "environment_kind",
     "environment_lacks_step",
     "environment_enum",
+    "grpo_config_help",
     "reward_enum",
     "tool_enum",
     "trl_help",
@@ -138,11 +144,61 @@ def check_environment_builds(field: str, name: str, kwargs: dict[str, Any]) -> N
 # ---------------------------------------------------------------- Prefect form helpers (pydantic json_schema_extra)
 
 
-def trl_help(schema: dict[str, Any]) -> None:
-    """Describe fields from ``trl.GRPOConfig``'s own help text where we have none (for the Prefect form)."""
+# Where trl.GRPOConfig's fields are declared, base class first (a later class's field overrides an earlier one's).
+_GRPO_CONFIG_CLASSES = (("transformers", "training_args.py", "TrainingArguments"),
+                        ("trl", "trainer/base_config.py", "_BaseConfig"),
+                        ("trl", "trainer/grpo_config.py", "GRPOConfig"))
+
+
+@functools.lru_cache(maxsize=1)
+def grpo_config_help() -> dict[str, str]:
+    """``trl.GRPOConfig``'s help text by field name, read from the source of the dataclasses that declare it
+    (:data:`_GRPO_CONFIG_CLASSES`) without importing them: importing TRL imports transformers and torch (~7 s of CPU),
+    and ``grpo serve`` / ``grpo deploy`` need only the text for their forms. When a file or class has moved (a TRL or
+    transformers release), it falls back to the dataclass itself (``tests/test_run_form.py`` checks both agree)."""
+    help_text: dict[str, str] = {}
+    for package, relative, class_name in _GRPO_CONFIG_CLASSES:
+        spec = importlib.util.find_spec(package)  # a top-level package's spec: found, not imported
+        source = (Path(spec.submodule_search_locations[0]) / relative
+                  if spec is not None and spec.submodule_search_locations else None)
+        fields = _dataclass_help(source, class_name) if source is not None and source.is_file() else None
+        if not fields:
+            return _imported_grpo_config_help()
+        help_text.update(fields)
+    return help_text
+
+
+def _dataclass_help(source: Path, class_name: str) -> dict[str, str] | None:
+    """``{field: metadata["help"]}`` of the fields ``class_name`` declares in ``source`` (``name: T = field(...,
+    metadata={"help": <literal>})``), or None when the class is not there."""
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            found = {}
+            for item in node.body:
+                if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                        and isinstance(item.value, ast.Call)):
+                    continue
+                for keyword in item.value.keywords:
+                    if keyword.arg == "metadata" and isinstance(keyword.value, ast.Dict):
+                        for key, value in zip(keyword.value.keys, keyword.value.values):
+                            if isinstance(key, ast.Constant) and key.value == "help":
+                                with contextlib.suppress(ValueError, TypeError, SyntaxError, MemoryError,
+                                                         RecursionError):
+                                    found[item.target.id] = ast.literal_eval(value)
+            return found
+    return None
+
+
+def _imported_grpo_config_help() -> dict[str, str]:
     from trl import GRPOConfig
 
-    help_text = {f.name: f.metadata.get("help") for f in dataclasses.fields(GRPOConfig)}
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(GRPOConfig) if f.metadata.get("help")}
+
+
+def trl_help(schema: dict[str, Any]) -> None:
+    """Describe fields from ``trl.GRPOConfig``'s own help text where we have none (for the Prefect form)."""
+    help_text = grpo_config_help()
     for name, prop in schema.get("properties", {}).items():
         text = " ".join((help_text.get(name) or "").split())
         if text and "description" not in prop:

@@ -18,9 +18,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from grpo.tracking.tracker import MlflowCallback, MlflowTracker
+if TYPE_CHECKING:  # the tracker imports MLflow and transformers: `grpo serve` imports this module without them
+    from grpo.tracking.tracker import MlflowTracker
 
 
 @dataclass(eq=False)
@@ -53,6 +54,8 @@ class RunContext:
 
     def tracking_callbacks(self) -> list[Any]:
         """The trainer callback that logs training to this run's MLflow run (none without a tracker)."""
+        from grpo.tracking.tracker import MlflowCallback
+
         return [MlflowCallback(self.tracker)] if self.tracker is not None else []
 
     @contextmanager
