@@ -24,9 +24,10 @@ SECTION_TITLES = ["Data", "Model", "GRPO training", "Sampling and balancing", "A
 
 
 def park(page) -> None:
-    """Leave the Prefect UI for a blank page while the test waits on the API for a run. An open page of a deployment
-    or a running flow run keeps polling the server and repainting its running-state animations in Chromium's software
-    compositor: over the served-runs module's waits that took ~140 s of CPU from the runs being waited for."""
+    """Leave the Prefect UI for a blank page while the test waits on the API for a run. An open flow run's page, running
+    or finished, keeps repainting its run graph (WebGL, drawn in software by Chromium's GPU process: about a core while
+    it is open), and a deployment's page keeps polling the server: over the served-runs module's waits that took ~140 s
+    of CPU from the runs being waited for."""
     page.goto("about:blank")
 
 
@@ -50,7 +51,7 @@ def open_select(page, prop) -> list[str]:
     options = page.get_by_role("option")
     if options.count() == 0:  # the first click may only focus it
         page.keyboard.press("Space")
-    options.first.wait_for(timeout=10_000)
+    options.first.wait_for(timeout=60_000)
     return [t.strip() for t in options.all_inner_texts()]
 
 
@@ -59,7 +60,9 @@ def open_section(page, title: str) -> None:
     section = form_property(page, title)
     section.locator(".schema-form-property__header button").first.click()
     page.locator(".p-overflow-menu-item:visible", has_text="Use form input").click()
-    section.locator(".schema-form-property").first.wait_for(timeout=20_000)
+    # the bound only ends a hung page: at the suite's start (four workers importing, the servers starting) the
+    # renderer once took over 20 s to draw a section's fields
+    section.locator(".schema-form-property").first.wait_for(timeout=120_000)
 
 
 def submit(page, server, deployment_id: str, known: set[str], button: str = "Submit") -> dict:

@@ -583,7 +583,7 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
             assert flow_run["state"]["type"] == "COMPLETED", (flow_run["state"], worker.stdout[-3000:],
                                                               worker.stderr[-3000:])
             page.goto(f"{ui}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
-            page.get_by_text("Completed").first.wait_for(timeout=20_000)
+            page.get_by_text("Completed").first.wait_for(timeout=120_000)
             page.screenshot(path=str(SCREENSHOTS / "prefect-flow-run.png"))
 
             nightly = s.get("deployments/name/grpo-sweep/nightly")

@@ -146,7 +146,7 @@ def served(prefect_server, mlflow_server, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def page(served):
+def browser_page(served):
     from tests.browser import CHROMIUM, CHROMIUM_ARGS, require_chromium
 
     require_chromium()
@@ -162,6 +162,15 @@ def page(served):
             assert not errors, errors
         finally:
             browser.close()
+
+
+@pytest.fixture
+def page(browser_page):
+    """The module's page, left on a blank page after each test: a flow run's page, even a finished run's, keeps
+    repainting its run graph (WebGL, drawn by Chromium's software renderer) at more than a core's worth of CPU while
+    the next test runs (see :func:`tests.browser.park`)."""
+    yield browser_page
+    park(browser_page)
 
 
 def _run_page(page, served) -> str:
@@ -200,6 +209,13 @@ def _release_once_stopping(served, gate: Path) -> None:
         assert time.monotonic() < deadline, served.log.read_text()[-3000:]
         time.sleep(0.5)
     gate.unlink()
+
+
+def _wait_state(served, flow_run_id: str, states: tuple[str, ...], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while (state := served.server.get(f"flow_runs/{flow_run_id}")["state_type"]) not in states:
+        assert time.monotonic() < deadline, (state, states)
+        time.sleep(0.5)
 
 
 def _changed(path: Path) -> dict:
@@ -270,7 +286,7 @@ def test_a_custom_run_with_nothing_changed_trains_the_preset_to_the_end(served, 
         f"step {steps}/{steps} · reward {last['metrics']['reward']:.3f}"), (progress, last)
     ui = served.server.url.removesuffix("/api")
     page.goto(f"{ui}/runs/flow-run/{created['id']}", wait_until="networkidle")
-    page.get_by_text("Completed").first.wait_for(timeout=30_000)
+    page.get_by_text("Completed").first.wait_for(timeout=120_000)
     page.screenshot(path=str(SCREENSHOTS / "prefect-flow-run-default.png"))
 
 
@@ -287,6 +303,7 @@ def test_a_quick_run_is_the_preset_and_cancel_in_the_ui_saves_a_checkpoint(serve
     gate.touch()
     page.goto(f"{ui}/deployments/deployment/{deployment_id}", wait_until="networkidle")
     created = submit(page, served.server, deployment_id, known, button="Quick run")
+    park(page)
     run_dir = served.run_dir(served.server.get(f"flow_runs/{created['id']}"))
     _wait_file(Path(f"{gate}.reached"), log=served.log)  # training is inside its first step
     assert _changed(run_dir / "config.yaml") == {}
@@ -294,8 +311,9 @@ def test_a_quick_run_is_the_preset_and_cancel_in_the_ui_saves_a_checkpoint(serve
     page.goto(f"{ui}/runs/flow-run/{created['id']}", wait_until="networkidle")
     page.get_by_role("button", name="Cancel", exact=True).first.click()
     page.get_by_role("dialog").get_by_role("button", name="Confirm", exact=True).click()
-    _release_once_stopping(served, gate)
+    _wait_state(served, created["id"], ("CANCELLING", "CANCELLED"))  # the UI's request arrived: the page may go
     park(page)
+    _release_once_stopping(served, gate)
     run = served.wait(created["id"], timeout=600)
     assert run["state"]["type"] == "CANCELLED", run["state"]
     train = served.subflows(created["id"])["train"]
@@ -314,7 +332,7 @@ def test_a_quick_run_is_the_preset_and_cancel_in_the_ui_saves_a_checkpoint(serve
         assert time.monotonic() < deadline, [entry["message"] for entry in logs][:20]
         time.sleep(1)
     page.goto(f"{ui}/runs/flow-run/{train['id']}", wait_until="networkidle")
-    expect(page.get_by_text("Cancelled").first).to_be_visible(timeout=30_000)
+    expect(page.get_by_text("Cancelled").first).to_be_visible(timeout=120_000)
     page.screenshot(path=str(SCREENSHOTS / "prefect-train-cancelled.png"))
 
 
@@ -434,7 +452,7 @@ def test_an_environment_preset_from_the_form_trains_on_episodes_and_its_summary_
     ui = served.server.url.removesuffix("/api")
     page.goto(f"{ui}/runs/flow-run/{created['id']}", wait_until="networkidle")
     page.get_by_text("Artifacts", exact=True).first.click()
-    expect(page.get_by_text("grpo-run-summary").first).to_be_visible(timeout=30_000)
+    expect(page.get_by_text("grpo-run-summary").first).to_be_visible(timeout=120_000)
     page.screenshot(path=str(SCREENSHOTS / "prefect-flow-run-environment.png"))
 
 
