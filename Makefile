@@ -26,7 +26,9 @@ demo: $(STAMP)
 # The whole suite on TEST_WORKERS pytest-xdist workers (whole modules each). Four on
 # 2 cores: the tests spend much of their time waiting on the processes and servers they start, and the workers share
 # one Prefect and one MLflow server (tests/servers.py) and one artefact cache, so another worker adds no servers. Five
-# once kept the shared Prefect server's SQLite busy past its clients' retries; four keep the margin.
+# once kept the shared Prefect server's SQLite busy past its clients' retries; four keep the margin. Measured at 6412e47
+# (idle): five workers 17m30s, three 15m13s, four 14m53s (more workers on 2 cores burn more CPU; fewer overlap fewer
+# waits).
 # xdist hands out the modules with the most tests first (its loadscope reorder), each to the first free worker, so
 # the few-test modules that wait on servers and browsers run beside many quick CPU-bound ones; tests/conftest.py hands
 # out two of them first (HANDED_OUT_FIRST), which otherwise ran alone at the end. Handing out every long module first

@@ -108,7 +108,7 @@ def test_rewards_read_the_models_last_message_not_the_tools(chat_batch):
     assert exact_match([cut, done], [answer, answer]) == [0.0, 1.0]
 
 
-def test_grpo_run_trains_and_evaluates_through_the_tool_loop(tool_caller, tmp_path):
+def test_grpo_run_trains_and_evaluates_through_the_tool_loop(tool_caller, tmp_path, prefect_server):
     """`grpo run` with protocol chat: prep, plan (prompt lengths with the tool's schema), evaluation through the same
     tool loop before and after, and training through TRL's; the summary has the episodes' figures."""
     model_dir, data_file = tool_caller
@@ -118,7 +118,7 @@ def test_grpo_run_trains_and_evaluates_through_the_tool_loop(tool_caller, tmp_pa
     args = [f"{k}={v}" for k, v in settings.items()]
     proc = subprocess.run([sys.executable, "-m", "grpo", "run", "--config", str(MICRO), "--run-name", "chat",
                            *[a for kv in args for a in ("--set", kv)]], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+                          timeout=600, env=prefect_server.env(HF_HUB_OFFLINE="1"))  # the session's Prefect server
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp_path / "runs" / "chat"
     summary = json.loads((run / "summary.json").read_text())
