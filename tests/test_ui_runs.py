@@ -211,13 +211,6 @@ def _release_once_stopping(served, gate: Path) -> None:
     gate.unlink()
 
 
-def _wait_state(served, flow_run_id: str, states: tuple[str, ...], timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while (state := served.server.get(f"flow_runs/{flow_run_id}")["state_type"]) not in states:
-        assert time.monotonic() < deadline, (state, states)
-        time.sleep(0.5)
-
-
 def _changed(path: Path) -> dict:
     tiny = _tiny()
     return {k: v for k, v in _flat_config(path).items() if tiny[k] != v}
@@ -311,7 +304,7 @@ def test_a_quick_run_is_the_preset_and_cancel_in_the_ui_saves_a_checkpoint(serve
     page.goto(f"{ui}/runs/flow-run/{created['id']}", wait_until="networkidle")
     page.get_by_role("button", name="Cancel", exact=True).first.click()
     page.get_by_role("dialog").get_by_role("button", name="Confirm", exact=True).click()
-    _wait_state(served, created["id"], ("CANCELLING", "CANCELLED"))  # the UI's request arrived: the page may go
+    served.wait(created["id"], timeout=300, until=("CANCELLING", "CANCELLED"))  # the UI's request arrived: may go
     park(page)
     _release_once_stopping(served, gate)
     run = served.wait(created["id"], timeout=600)
