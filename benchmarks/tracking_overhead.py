@@ -17,8 +17,9 @@
    process; a no-op flow run first measures that start (and a second one the per-flow cost), outside the rounds.
    The MLflow part of the pipeline is timed by wrapping ``tracker_from_config`` / ``log_model`` in
    :mod:`grpo.tracking.run_tracking`, where the pipeline looks them up, and the training-progress artifact by timing
-   the Prefect client's artifact updates (two per optimizer step at least: the train subflow's and the pipeline
-   run's); the benchmark fails if the pipeline stops calling them.
+   the Prefect client's artifact updates (the train subflow's and the pipeline run's, at each logging step, the last
+   step, the end of training and at most every 2 s between: flows/progress.py); the benchmark fails if the pipeline
+   stops calling them.
 
 The variants run interleaved, the order flipping every round (A B, B A, A B, ...), so machine noise and drift hit
 both alike; each reported figure is the median over rounds. The warm-started tiny models are built once, before any
@@ -460,7 +461,7 @@ def _pipeline_overhead(root: Path, opts: Settings) -> dict:
             tracker.close = timed(tracker.close, "tracker_close")
         return tracker
 
-    # The progress artifacts the train flow updates through the Prefect API after every optimizer step.
+    # The progress artifacts the train flow updates through the Prefect API (flows/progress.py says when).
     from prefect.client.orchestration import SyncPrefectClient
 
     progress_s: list[float] = []

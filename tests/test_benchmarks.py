@@ -104,7 +104,8 @@ def _tracking_overhead(r: dict) -> None:
     assert _finite(t["overhead_pct"], -100) and _finite(t["on_per_step_ms"], 0) and _finite(t["off_per_step_ms"], 0)
     p = r["pipeline"]
     assert len(p["mlflow_tracker_start_s"]) == len(p["mlflow_tracker_close_s"]) == len(p["mlflow_log_model_s"]) == 1
-    assert p["prefect_progress_artifact_calls_per_run"] >= 4  # at least one per optimizer step (4 in smoke mode)
+    # the train subflow's and the pipeline's artifact, each at the first and last step and the end of training at least
+    assert p["prefect_progress_artifact_calls_per_run"] >= 6
     assert _finite(p["prefect_pipeline_s"], 0) and _finite(p["direct_run_experiment_s"], 0)
 
 

@@ -85,6 +85,52 @@ def stage_task_states(pipeline_run_id: str) -> dict[str, list[str]]:
     return by_name
 
 
+def test_progress_artifact_is_written_at_logs_and_the_end_and_throttled_between(prefect_in_process, monkeypatch):
+    """The train flow's progress artifact: every logging step, the last step and the end of training are written, so
+    the page ends on the last step whatever the timing; between them at most one update per ``min_interval_s`` (each
+    is a synchronous API call in the training loop)."""
+    from prefect import flow
+    from transformers import TrainerState
+
+    import flows.progress
+
+    written: list[str] = []
+    real = flows.progress.update_progress_artifact
+
+    def spy(artifact_id, **kw):
+        written.append(kw["description"])
+        return real(artifact_id, **kw)
+
+    monkeypatch.setattr(flows.progress, "update_progress_artifact", spy)
+
+    @flow
+    def train_like(min_interval_s: float) -> str:
+        progress = flows.progress.PrefectProgress({"accuracy": 0.25}, min_interval_s=min_interval_s)
+        state = TrainerState(max_steps=20, is_world_process_zero=True)
+        progress.on_train_begin(None, state, None)
+        for step in range(1, 21):
+            state.global_step = step
+            progress.on_step_end(None, state, None)
+            if step % 10 == 0:
+                progress.on_log(None, state, None, logs={"reward": step / 40, "reward_std": 0.1})
+        progress.on_train_end(None, state, None)
+        return str(progress.artifact_ids[0])
+
+    artifact_id = train_like(3600.0)
+    assert written == ["step 1/20 · eval accuracy before 0.250",  # the first step: nothing written yet
+                       "step 10/20 · reward 0.250 ±0.10 · eval accuracy before 0.250",  # a logging step
+                       "step 20/20 · reward 0.250 ±0.10 · eval accuracy before 0.250",  # the last step
+                       "step 20/20 · reward 0.500 ±0.10 · eval accuracy before 0.250",  # its log
+                       "step 20/20 · reward 0.500 ±0.10 · eval accuracy before 0.250"], written  # the end
+    [artifact] = prefect_api("artifacts/filter", {"limit": 5, "offset": 0,
+                                                  "artifacts": {"id": {"any_": [artifact_id]}}})
+    assert artifact["data"] == 100.0 and artifact["description"] == written[-1], artifact
+
+    written.clear()
+    train_like(0.0)  # no throttle: every step, both logs and the end
+    assert len(written) == 20 + 2 + 1, written
+
+
 def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefect_in_process, mlflow_server):
     from flows.pipeline import grpo_pipeline
 

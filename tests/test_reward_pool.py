@@ -214,7 +214,19 @@ def test_stale_results_of_an_abandoned_batch_are_dropped():
         assert pool.compute(**_batch(["xyz", "x"])) == [[3.0], [1.0]]
 
 
-def test_forkserver_context_and_single_worker():
+@pytest.fixture
+def own_forkserver():
+    """The process's forkserver, stopped afterwards. A process has one forkserver, whose preload is fixed by whoever
+    starts it first: left running with this pool's (none), it made every async generator later started by this xdist
+    worker import torch and transformers itself (16 generators, ~75 s of CPU per suite) instead of forking from the
+    preloading forkserver that :mod:`grpo.training.async_producer` starts."""
+    from multiprocessing import forkserver
+
+    yield
+    forkserver._forkserver._stop()
+
+
+def test_forkserver_context_and_single_worker(own_forkserver):
     with RewardWorkerPool([trouble, length_reward], num_workers=1, timeout=5, mp_context="forkserver") as pool:
         rows = pool.compute(**_batch(["exit", "ab"]))
         assert all(math.isnan(v) for r in rows for v in r) and pool.metrics["rewards/worker_restarts"] == 1

@@ -21,19 +21,20 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pandas as pd
-import pandera.pandas as pa
 import pyarrow
 import pyarrow.parquet as pq
 from datasets import Dataset, DatasetDict
-from pandera.errors import SchemaErrors
 
 from grpo.config import DataConfig
 from grpo.environments import ROUTING_COLUMN
 from grpo.errors import DataError
+
+if TYPE_CHECKING:
+    import pandera.pandas as pa
 
 Duplicates = Literal["drop", "keep", "error"]
 SPLITS = ("train", "eval")
@@ -426,7 +427,11 @@ def _extracted(value: Any, pattern: re.Pattern[str] | None) -> str | None:
 
 
 def _schema(limits: _Limits) -> pa.DataFrameSchema:
-    """Each rule is one named check, so lazy validation reports every rule a row breaks (names are ``RULES``)."""
+    """Each rule is one named check, so lazy validation reports every rule a row breaks (names are ``RULES``).
+
+    pandera is imported here, not at the top: it imports hypothesis (~0.2 s), and every training process and torchrun
+    rank imports this module while only a prep that misses the cache validates rows."""
+    import pandera.pandas as pa
 
     def check(name: str, ok: Callable[[Any], bool]) -> pa.Check:
         return pa.Check(lambda s: s.map(ok).astype(bool), name=name, ignore_na=False)
@@ -462,6 +467,8 @@ def _schema(limits: _Limits) -> pa.DataFrameSchema:
 def _validate(frame: pd.DataFrame, raw: _Raw, limits: _Limits) -> dict[int, list[str]]:
     """Row index -> every rule it breaks (rows that parsed fine are checked by the pandera schema)."""
     failures: dict[int, list[str]] = {i: ["malformed_record"] for i, e in enumerate(raw.parse_errors) if e}
+    from pandera.errors import SchemaErrors
+
     parsed = frame.drop(index=list(failures))
     try:
         _schema(limits).validate(parsed, lazy=True)
@@ -496,6 +503,9 @@ def _check_duplicates(
     """
     if policy == "keep":
         return {}
+    import pandera.pandas as pa
+    from pandera.errors import SchemaErrors
+
     keys = frame["prompt"].map(_prompt_key)  # text, or a conversation as canonical JSON
     keyed = pd.DataFrame({"prompt": keys[keys.notna()]})
     # Otherwise-valid rows first (stable), so pandera's "exclude_first" keeps the right copy.
