@@ -7,6 +7,7 @@ Each test starts ``python -m grpo.environments.openenv_server guess_digit`` (ope
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import signal
@@ -16,7 +17,10 @@ import sys
 
 import pytest
 
-pytest.importorskip("openenv.core", reason="openenv-core (the test and env-server extras) is not installed")
+# Looked up, not imported: openenv.core imports gradio and fastmcp (~3.5 s), which every xdist worker would pay while
+# collecting; only the worker running these tests needs them.
+if importlib.util.find_spec("openenv") is None:
+    pytest.skip("openenv-core (the test and env-server extras) is not installed", allow_module_level=True)
 
 from grpo.app.ui import wait_healthy  # noqa: E402
 from grpo.environments import make_environment  # noqa: E402
