@@ -32,10 +32,10 @@ REPO = Path(__file__).resolve().parent.parent
 # loadscope reorder), each to the first worker running low. These few-test modules take minutes on one worker, most
 # of it waiting on a served deployment, a browser or a cron minute: handed out last, each ran alone at the end of the
 # suite (the one-test schedule module for its last ~150 s). Handed out first, their waits overlap the CPU-bound
-# modules. The signals module (seven tests, ~250 s on one worker) was handed out after ~700 s and ended the suite
-# alone in two runs out of two (its last 30-60 s on one core). Only these: handing out every long module first ran
-# all the server and browser modules at once and made the suite longer.
-HANDED_OUT_FIRST = ("tests/test_ui_runs.py", "tests/test_ui_schedule.py", "tests/test_signals.py")
+# modules. Only these: handing out every long module first ran all the server and browser modules at once and made
+# the suite longer; handing out the signals module with them (it ends the suite alone for its last 30-60 s) put three
+# modules' flow runs on the shared server at once, and an in-process sweep's flow run met its 503s for 2.5 minutes.
+HANDED_OUT_FIRST = ("tests/test_ui_runs.py", "tests/test_ui_schedule.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: a run with `-p no:xdist` does not know it

@@ -237,8 +237,11 @@ def prefect_in_process(prefect_server):
     """Flows called in the test process run against the session's Prefect server (instead of a
     ``prefect_test_harness`` server per module)."""
     import prefect.context
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: prefect_server.url}):
+    # The retries env() gives child processes (see PrefectServer.env): with Prefect's default 5, an in-process sweep's
+    # flow run failed on the shared server's 503s after 2.5 minutes under the suite's load.
+    retries = int(prefect_server.env()["PREFECT_CLIENT_MAX_RETRIES"])
+    with temporary_settings({PREFECT_API_URL: prefect_server.url, PREFECT_CLIENT_MAX_RETRIES: retries}):
         with prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()):
             yield prefect_server

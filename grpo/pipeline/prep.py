@@ -466,9 +466,9 @@ def _schema(limits: _Limits) -> pa.DataFrameSchema:
 
 def _validate(frame: pd.DataFrame, raw: _Raw, limits: _Limits) -> dict[int, list[str]]:
     """Row index -> every rule it breaks (rows that parsed fine are checked by the pandera schema)."""
-    failures: dict[int, list[str]] = {i: ["malformed_record"] for i, e in enumerate(raw.parse_errors) if e}
     from pandera.errors import SchemaErrors
 
+    failures: dict[int, list[str]] = {i: ["malformed_record"] for i, e in enumerate(raw.parse_errors) if e}
     parsed = frame.drop(index=list(failures))
     try:
         _schema(limits).validate(parsed, lazy=True)
