@@ -79,8 +79,7 @@ class PrefectProgress(TrainerCallback):
         self._update(state, always=state.global_step >= state.max_steps)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.artifact_ids:
-            self._update(state)
+        self._update(state)
 
 
 __all__ = ["PrefectProgress"]

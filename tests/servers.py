@@ -156,6 +156,13 @@ BIN = Path(sys.executable).parent
 class PrefectServer:
     """``prefect server start`` with its own PREFECT_HOME; ``env()`` points child processes (CLI, workers) at it."""
 
+    # The shared server's SQLite answers 503 while another writer holds it, and Prefect's clients retry a 503 with
+    # doubling waits: 5 retries (its default) wait about a minute, which five test workers on 2 cores outlasted once
+    # (`grpo serve` failed to register a deployment), and an in-process sweep's flow run met 503s for 2.5 minutes
+    # under the suite's load; 8 wait about eight minutes. Child processes get it through env(), flows called in the
+    # test process through the prefect_in_process fixture.
+    CLIENT_MAX_RETRIES = 8
+
     def __init__(self, home: Path, port: int | None = None) -> None:
         self.home, self.port = home, port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
@@ -163,13 +170,9 @@ class PrefectServer:
         self.proc: subprocess.Popen | None = None
 
     def env(self, **extra: str) -> dict[str, str]:
-        # The shared server's SQLite answers 503 while another writer holds it, and Prefect's clients retry a 503
-        # with doubling waits: 5 retries (its default) wait about a minute, which five test workers on 2 cores
-        # outlasted once (`grpo serve` failed to register a deployment); 8 wait about eight minutes, for a loaded
-        # machine.
         return {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_API_URL": self.url,
-                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1", "PREFECT_CLIENT_MAX_RETRIES": "8",
-                **extra}
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1",
+                "PREFECT_CLIENT_MAX_RETRIES": str(self.CLIENT_MAX_RETRIES), **extra}
 
     def start(self, timeout: float = 120, owner_pid: int | None = None) -> PrefectServer:
         with self.log.open("ab") as log:
@@ -239,9 +242,7 @@ def prefect_in_process(prefect_server):
     import prefect.context
     from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-    # The retries env() gives child processes (see PrefectServer.env): with Prefect's default 5, an in-process sweep's
-    # flow run failed on the shared server's 503s after 2.5 minutes under the suite's load.
-    retries = int(prefect_server.env()["PREFECT_CLIENT_MAX_RETRIES"])
-    with temporary_settings({PREFECT_API_URL: prefect_server.url, PREFECT_CLIENT_MAX_RETRIES: retries}):
+    with temporary_settings({PREFECT_API_URL: prefect_server.url,
+                             PREFECT_CLIENT_MAX_RETRIES: prefect_server.CLIENT_MAX_RETRIES}):
         with prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()):
             yield prefect_server
