@@ -175,6 +175,19 @@ def test_serve_and_deploy_build_their_deployments_without_the_training_stack():
     assert sorted(m for m in loaded if any(under(m, h) for h in heavy)) == []
 
 
+def test_a_run_against_a_prefect_server_never_imports_prefects_server_package():
+    """``grpo run`` with ``PREFECT_API_URL`` set (a served, worker or CLI run against a server) starts no embedded
+    server and so never imports ``prefect.server`` (FastAPI, SQLAlchemy, Prefect's background workers: about 2 s of
+    CPU per run); without it, the embedded server's class is what the CLI starts."""
+    code = ("import sys; from grpo.app import procguard; assert procguard.embedded_prefect_server() is None; "
+            "print(' '.join(sorted(sys.modules)))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # never contacted
+    loaded = set(subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True,
+                                cwd=ROOT).stdout.split())
+    assert "prefect.settings" in loaded
+    assert sorted(m for m in loaded if under(m, "prefect.server")) == []
+
+
 def test_rewards_import_no_training_stack_and_no_higher_layer():
     def allowed(mod: str, imp: str) -> bool:
         if top(imp) == "grpo":

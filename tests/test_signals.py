@@ -274,6 +274,40 @@ def test_cancel_in_the_prefect_ui_stops_a_run_started_from_the_cli(tmp_path, mlf
     _assert_checkpointed_where_it_stopped(tmp_path / "ui-cancel", out)
 
 
+def test_cancel_watch_finds_the_cancelled_run_among_many_with_one_request_per_poll(prefect_server):
+    """The watch behind the test above, against the session's server: it finds the one Cancelling flow run among
+    finished and running ones, including a run added to its list after it started (the CLI's subflows), reports it
+    once, and asks the server once per poll however many runs it watches."""
+    import threading
+
+    from grpo.app.procguard import CancelWatch
+
+    s = prefect_server
+    flow = s.post("flows/", {"name": "cancel-watch-probe"}).json()["id"]
+
+    def flow_run(state: str) -> str:
+        return s.post("flow_runs/", {"flow_id": flow, "state": {"type": state, "name": state.title()}}).json()["id"]
+
+    ids = [flow_run("COMPLETED"), flow_run("RUNNING"), flow_run("RUNNING")]
+    seen: list[str] = []
+    reported = threading.Event()
+    watch = CancelWatch(ids, s.url, interval=0.05, on_cancel=lambda run: (seen.append(run), reported.set()))
+    with watch:
+        deadline = time.monotonic() + 120
+        while watch.polls < 3 and time.monotonic() < deadline:  # three answered polls with nothing cancelled
+            time.sleep(0.05)
+        assert watch.polls >= 3 and seen == []
+        late = flow_run("RUNNING")
+        ids.append(late)
+        s.post(f"flow_runs/{late}/set_state", {"state": {"type": "CANCELLING", "name": "Cancelling"}})
+        s.post(f"flow_runs/{ids[1]}/set_state", {"state": {"type": "COMPLETED", "name": "Completed"}})
+        assert reported.wait(120), "the Cancelling run was never reported"
+        polls = watch.polls
+        watch.thread.join(30)
+    assert seen == [late]  # once, and the thread ended
+    assert not watch.thread.is_alive() and watch.polls == polls
+
+
 SERVER_OWNER = """
 import sys, time
 from pathlib import Path

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1
 
@@ -103,12 +104,15 @@ def _signal_group_but_me(sig: int) -> None:
 def embedded_prefect_server():
     """Start Prefect's ephemeral API server now (from the main thread), in its own session and with a parent-death
     signal; Prefect's clients then use it as they would their own. None when ``PREFECT_API_URL`` is set or ephemeral
-    mode is off. RuntimeError (Prefect's message) when it does not start in time."""
-    from prefect.server.api.server import SubprocessASGIServer
+    mode is off. RuntimeError (Prefect's message) when it does not start in time.
+
+    Prefect's server package (FastAPI, SQLAlchemy, its background workers: about 2 s of CPU to import) is imported
+    only when the server starts here; a run against a server (``PREFECT_API_URL``) never imports it."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return None
+    from prefect.server.api.server import SubprocessASGIServer
 
     class GuardedServer(SubprocessASGIServer):
         def _run_uvicorn_command(self) -> subprocess.Popen:
@@ -180,14 +184,15 @@ def cancel_flow_runs(flow_run_ids: list[str], api_url: str | None, reason: str, 
     if not api_url:
         return 0
     done = 0
-    for flow_run_id in dict.fromkeys(flow_run_ids):
-        try:
-            response = httpx.post(f"{api_url.rstrip('/')}/flow_runs/{flow_run_id}/set_state", timeout=timeout,
-                                  json={"state": {"type": "CANCELLED", "name": "Cancelled", "message": reason},
-                                        "force": True})
-            done += response.status_code in (200, 201)
-        except httpx.HTTPError:
-            continue
+    with httpx.Client(timeout=timeout) as client:
+        for flow_run_id in dict.fromkeys(flow_run_ids):
+            try:
+                response = client.post(f"{api_url.rstrip('/')}/flow_runs/{flow_run_id}/set_state",
+                                       json={"state": {"type": "CANCELLED", "name": "Cancelled", "message": reason},
+                                             "force": True})
+                done += response.status_code in (200, 201)
+            except httpx.HTTPError:
+                continue
     return done
 
 
@@ -195,13 +200,23 @@ class CancelWatch:
     """Cancel from the Prefect UI for a run the CLI started. A served or worker-run flow run is cancelled by its
     runner (it sends SIGTERM); nothing supervises ``grpo run``'s own flow run, so a Cancel in the UI only marked it
     Cancelling while training went on. This thread polls the CLI's flow runs (``flow_run_ids``, filled as they start)
-    and, when one is Cancelling or Cancelled, sends this process SIGTERM once: the run stops as it does on SIGTERM
-    (checkpoint at the current step, MLflow run KILLED, flow runs Cancelled)."""
+    and, when one is Cancelling or Cancelled, calls ``on_cancel`` with its id once; by default that sends this process
+    SIGTERM: the run stops as it does on SIGTERM (checkpoint at the current step, MLflow run KILLED, flow runs
+    Cancelled).
 
-    def __init__(self, flow_run_ids: list[str], api_url: str | None, interval: float = 2.0) -> None:
+    Each poll is one ``POST /flow_runs/filter`` for all of the runs, on one HTTP client kept for the thread's life.
+    A request per run on a new client each time (one per subflow, every 2 s, each building a TLS context even for
+    plain http) cost a tiny-preset run about 3 s of CPU and the server a request per subflow per poll."""
+
+    CANCELLED_TYPES = ("CANCELLING", "CANCELLED")
+
+    def __init__(self, flow_run_ids: list[str], api_url: str | None, interval: float = 2.0,
+                 on_cancel: Callable[[str], None] | None = None) -> None:
         import threading
 
         self.flow_run_ids, self.api_url, self.interval = flow_run_ids, api_url, interval
+        self.on_cancel = on_cancel or (lambda _flow_run_id: os.kill(os.getpid(), signal.SIGTERM))
+        self.polls = 0  # requests sent: one per poll with runs to watch
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="grpo-cancel-watch", daemon=True)
 
@@ -212,26 +227,40 @@ class CancelWatch:
     def __exit__(self, *exc) -> None:
         self.done.set()
 
+    def _cancelled(self, client, url: str) -> str | None:
+        """The id of one watched flow run that is Cancelling or Cancelled, or None (also when the server does not
+        answer: the next poll asks again)."""
+        import httpx
+
+        ids = list(dict.fromkeys(self.flow_run_ids))
+        if not ids:
+            return None
+        self.polls += 1
+        body = {"flow_runs": {"id": {"any_": ids}, "state": {"type": {"any_": list(self.CANCELLED_TYPES)}}},
+                "limit": 1}
+        try:
+            response = client.post(f"{url.rstrip('/')}/flow_runs/filter", json=body, timeout=10)
+            runs = response.json() if response.status_code == 200 else []
+        except (httpx.HTTPError, ValueError):
+            return None
+        return runs[0]["id"] if runs and isinstance(runs, list) else None
+
     def _loop(self) -> None:
         import httpx
 
         url = self.api_url
-        while not self.done.wait(self.interval):
-            if url is None:
-                from prefect.settings import PREFECT_API_URL
+        with httpx.Client() as client:
+            while not self.done.wait(self.interval):
+                if url is None:
+                    from prefect.settings import PREFECT_API_URL
 
-                url = PREFECT_API_URL.value()
-                if not url:
-                    continue
-            for flow_run_id in list(self.flow_run_ids):
-                try:
-                    response = httpx.get(f"{url.rstrip('/')}/flow_runs/{flow_run_id}", timeout=10)
-                    state = (response.json().get("state") or {}).get("type") if response.status_code == 200 else None
-                except (httpx.HTTPError, ValueError):
-                    continue
-                if state in ("CANCELLING", "CANCELLED") and not self.done.is_set():
+                    url = PREFECT_API_URL.value()
+                    if not url:
+                        continue
+                flow_run_id = self._cancelled(client, url)
+                if flow_run_id is not None and not self.done.is_set():
                     self.done.set()
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    self.on_cancel(flow_run_id)
                     return
 
 
