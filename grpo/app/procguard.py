@@ -216,7 +216,8 @@ class CancelWatch:
 
         self.flow_run_ids, self.api_url, self.interval = flow_run_ids, api_url, interval
         self.on_cancel = on_cancel or (lambda _flow_run_id: os.kill(os.getpid(), signal.SIGTERM))
-        self.polls = 0  # requests sent: one per poll with runs to watch
+        self.polls = 0  # polls with runs to watch
+        self.requests = 0  # HTTP responses the watch received (one per poll)
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="grpo-cancel-watch", daemon=True)
 
@@ -249,7 +250,10 @@ class CancelWatch:
         import httpx
 
         url = self.api_url
-        with httpx.Client() as client:
+        def counted(_response) -> None:
+            self.requests += 1
+
+        with httpx.Client(event_hooks={"response": [counted]}) as client:
             while not self.done.wait(self.interval):
                 if url is None:
                     from prefect.settings import PREFECT_API_URL
