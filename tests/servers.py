@@ -227,6 +227,12 @@ class PrefectServer:
     def post(self, path: str, body: dict):
         return self._request("POST", path, json=body)
 
+    def query(self, path: str, body: dict) -> list[dict]:
+        """A ``/filter`` query's results (an error status raises)."""
+        response = self.post(path, body)
+        response.raise_for_status()
+        return response.json()
+
     def run(self, *cmd: str, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
         return subprocess.run(list(cmd), env=kw.pop("env", None) or self.env(), cwd=kw.pop("cwd", REPO),
                               capture_output=True, text=True, timeout=timeout, **kw)

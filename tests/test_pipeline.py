@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 from grpo.config import load_config
 from grpo.runs import RunDir
 from tests.conftest import MICRO, micro_overrides
-from tests.servers import MlflowServer
+from tests.servers import MlflowServer, PrefectServer
 
 pytestmark = pytest.mark.integration
 
@@ -44,15 +44,6 @@ def pipeline_config(tmp_path, uri, **extra):
         "grpo.max_steps": 8, "grpo.logging_steps": 2, "grpo.save_steps": 4, **extra}))
 
 
-def prefect_api(path: str, body: dict) -> list[dict]:
-    import httpx
-    from prefect.settings import PREFECT_API_URL
-
-    response = httpx.post(f"{PREFECT_API_URL.value().rstrip('/')}/{path}", json=body, timeout=30)
-    response.raise_for_status()
-    return response.json()
-
-
 def flow_runs_by_name(parent_id: str) -> dict[str, list]:
     """The flow run ``parent_id`` and its subflow runs (only those: other tests' runs share the server), by flow
     name."""
@@ -73,12 +64,12 @@ def flow_runs_by_name(parent_id: str) -> dict[str, list]:
     return names
 
 
-def stage_task_states(pipeline_run_id: str) -> dict[str, list[str]]:
+def stage_task_states(server: PrefectServer, pipeline_run_id: str) -> dict[str, list[str]]:
     """State names of the task runs inside one pipeline run's stage subflows, by task name (``prepare-dataset``)."""
     stages = [str(r.id) for runs in flow_runs_by_name(pipeline_run_id).values() for r in runs
               if str(r.id) != pipeline_run_id]
-    tasks = prefect_api("task_runs/filter", {"limit": 200, "offset": 0,
-                                             "task_runs": {"flow_run_id": {"any_": stages}}})
+    tasks = server.query("task_runs/filter", {"limit": 200, "offset": 0,
+                                              "task_runs": {"flow_run_id": {"any_": stages}}})
     by_name: dict[str, list[str]] = {}
     for t in tasks:
         by_name.setdefault(t["name"].rsplit("-", 1)[0], []).append(t["state"]["name"])
@@ -122,8 +113,8 @@ def test_progress_artifact_is_written_at_logs_and_the_end_and_throttled_between(
                        "step 20/20 · reward 0.250 ±0.10 · eval accuracy before 0.250",  # the last step
                        "step 20/20 · reward 0.500 ±0.10 · eval accuracy before 0.250",  # its log
                        "step 20/20 · reward 0.500 ±0.10 · eval accuracy before 0.250"], written  # the end
-    [artifact] = prefect_api("artifacts/filter", {"limit": 5, "offset": 0,
-                                                  "artifacts": {"id": {"any_": [artifact_id]}}})
+    [artifact] = prefect_in_process.query("artifacts/filter", {"limit": 5, "offset": 0,
+                                                               "artifacts": {"id": {"any_": [artifact_id]}}})
     assert artifact["data"] == 100.0 and artifact["description"] == written[-1], artifact
 
     written.clear()
@@ -147,13 +138,13 @@ def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefe
     assert str(runs["grpo-pipeline"][0].id) == flow_run_id
     assert all(r.state.is_completed() for rs in runs.values() for r in rs)
     ids = [str(r.id) for rs in runs.values() for r in rs]
-    keys = [a["key"] for a in prefect_api("artifacts/filter", {"sort": "KEY_ASC", "limit": 200, "offset": 0,
-                                                               "artifacts": {"flow_run_id": {"any_": ids}}})]
+    keys = [a["key"] for a in prefect_in_process.query("artifacts/filter", {
+        "sort": "KEY_ASC", "limit": 200, "offset": 0, "artifacts": {"flow_run_id": {"any_": ids}}})]
     assert {"dataset-prep", "dataset-stats", "sampler-plan", "plan-balance", "training-progress", "eval-before",
             "eval-after", "eval-samples-after", "mlflow-run", "grpo-run-summary"} <= set(keys)
     assert keys.count("mlflow-run") == 1 and keys.count("grpo-run-summary") == 1, keys
     # the pipeline's own flow run repeats the key facts (#15): data, plan, the outcome in a table
-    own = {a["key"]: a for a in prefect_api("artifacts/filter", {"limit": 50, "offset": 0, "artifacts": {
+    own = {a["key"]: a for a in prefect_in_process.query("artifacts/filter", {"limit": 50, "offset": 0, "artifacts": {
         "flow_run_id": {"any_": [flow_run_id]}}})}
     assert {"mlflow-run", "grpo-run-summary", "run-dataset", "run-plan"} <= set(own), sorted(own)
     assert "rows in: **" in own["run-dataset"]["description"] and "train" in own["run-dataset"]["data"]
@@ -162,7 +153,7 @@ def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefe
     assert re.search(r"\| eval accuracy \| \d\.\d{3} → \*\*\d\.\d{3}\*\* \([+-]\d\.\d{3}\) \|", outcome), outcome
     assert f"| MLflow run | `{summary['mlflow_run_id']}` |" in outcome and "| optimizer steps | 8 |" in outcome
     # the progress artifact says more than a percentage: the step, the reward, the accuracy before training
-    [progress] = [a for a in prefect_api("artifacts/filter", {"limit": 50, "offset": 0, "artifacts": {
+    [progress] = [a for a in prefect_in_process.query("artifacts/filter", {"limit": 50, "offset": 0, "artifacts": {
         "flow_run_id": {"any_": ids}, "key": {"any_": ["training-progress"]}}})]
     assert progress["data"] == 100.0
     assert re.fullmatch(r"step 8/8 · reward \d\.\d{3} ±\d\.\d\d · eval accuracy before \d\.\d{3}",
@@ -222,10 +213,10 @@ def test_prep_and_plan_are_cached_across_runs(tmp_path, prefect_in_process, mlfl
     a, b = RunDir(tmp_path / "cache-a").inputs(), RunDir(tmp_path / "cache-b").inputs()
     assert a["data_dir"] == b["data_dir"] and a["plan_path"] == b["plan_path"]  # only a training field changed
     # Each run's own task runs: the first computed prep and plan, the second took both from Prefect's cache.
-    assert stage_task_states(first["prefect_flow_run_id"]) == {"prepare-dataset": ["Completed"],
-                                                               "write-plan": ["Completed"]}
-    assert stage_task_states(second["prefect_flow_run_id"]) == {"prepare-dataset": ["Cached"],
-                                                                "write-plan": ["Cached"]}
+    assert stage_task_states(prefect_in_process, first["prefect_flow_run_id"]) == {
+        "prepare-dataset": ["Completed"], "write-plan": ["Completed"]}
+    assert stage_task_states(prefect_in_process, second["prefect_flow_run_id"]) == {
+        "prepare-dataset": ["Cached"], "write-plan": ["Cached"]}
     assert first["mlflow_run_id"] != second["mlflow_run_id"]
 
 

@@ -249,15 +249,6 @@ def test_cli_bad_space_is_one_line_exit_2(tmp_path, space_text, fragment):
 # ---------------------------------------------------------------- a real sweep
 
 
-def prefect_api(path: str, body: dict) -> list[dict]:
-    import httpx
-    from prefect.settings import PREFECT_API_URL
-
-    response = httpx.post(f"{PREFECT_API_URL.value().rstrip('/')}/{path}", json=body, timeout=30)
-    response.raise_for_status()
-    return response.json()
-
-
 @pytest.mark.integration
 def test_sweep_via_deployment_creates_linked_flow_runs(tmp_path, prefect_in_process, mlflow_server):
     """Smoke path of ``use_deployment``: no worker serves the deployment here, so each trial's flow run is created
@@ -276,8 +267,9 @@ def test_sweep_via_deployment_creates_linked_flow_runs(tmp_path, prefect_in_proc
     results = json.loads((tmp_path / "dep" / "results.json").read_text())
     assert [r["status"] for r in results] == ["failed", "failed"]
 
-    runs = prefect_api("flow_runs/filter", {"sort": "EXPECTED_START_TIME_ASC", "limit": 20, "offset": 0,
-                                            "flow_runs": {"name": {"any_": ["dep-t000", "dep-t001"]}}})
+    runs = prefect_in_process.query("flow_runs/filter", {
+        "sort": "EXPECTED_START_TIME_ASC", "limit": 20, "offset": 0,
+        "flow_runs": {"name": {"any_": ["dep-t000", "dep-t001"]}}})
     assert sorted(r["name"] for r in runs) == ["dep-t000", "dep-t001"]
     assert all(r["parent_task_run_id"] and r["deployment_id"] for r in runs)
     parent = MlflowClient(mlflow_server.uri).search_runs(
