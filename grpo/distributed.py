@@ -3,15 +3,21 @@
 Rank 0 owns the run directory, evaluation and the summary; every rank trains. Decisions that can fail on user input
 (does the run directory exist?) are made on rank 0 and broadcast, so a refusal stops every rank with the same
 message instead of leaving the others waiting at a barrier.
+
+The process group lives exactly as long as the run (:func:`process_group`): destroyed when the ranks are done, never
+left for interpreter exit. A gloo group still alive then is torn down while Python is being finalised, its C++ worker
+threads meet that teardown, and a rank that finished its run can die with ``terminate called without an active
+exception`` (SIGABRT, exit -6), so the launcher reports a finished run as failed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, GRPOPlatformError
 
 if TYPE_CHECKING:
     from grpo.config import ExperimentConfig
@@ -35,13 +41,37 @@ def init_process_group() -> None:
         PartialState()
 
 
+def destroy_process_group() -> None:
+    """Tear down torch.distributed's groups now, while the interpreter is whole (a no-op when none is initialised)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group() -> Iterator[None]:
+    """The run's process group: initialised on entry, destroyed on the way out when every rank is leaving together.
+
+    That is a finished run, a stop the ranks agreed on (the graceful stop's KeyboardInterrupt at the same step end)
+    and a user-input error decided on rank 0 and raised on every rank. Any other exception may leave a peer inside a
+    collective; the group is then left to the launcher, which stops the other ranks (destroying an NCCL group while
+    a peer waits in a collective can hang).
+    """
+    init_process_group()
+    try:
+        yield
+    except (KeyboardInterrupt, GRPOPlatformError):
+        destroy_process_group()
+        raise
+    destroy_process_group()
+
+
 def decide_on_main(fn: Callable[[], T]) -> T:
     """Run ``fn`` on rank 0 only and give its result (or its user-input error) to every rank."""
     if launched_world_size() == 1:
         return fn()
     import torch.distributed as dist
-
-    from grpo.errors import GRPOPlatformError
 
     box: list = [None]
     failure: BaseException | None = None

@@ -542,7 +542,16 @@ transformers.Trainer.__init__ = _init_with_hold
 
 
 LENGTH_REWARD = """
+import atexit, os
+from pathlib import Path
 from grpo.rewards import register_reward
+
+@atexit.register
+def _record_the_process_group_at_exit():  # runs after the CLI returned: is a torch.distributed group still alive?
+    import torch.distributed as dist
+    alive = dist.is_available() and dist.is_initialized()
+    with Path(f"group-at-exit-rank{os.environ.get('RANK', '0')}.txt").open("a") as f:
+        f.write("alive\\n" if alive else "destroyed\\n")
 
 @register_reward("completion_length")
 def completion_length(completions, **kwargs):
@@ -582,12 +591,21 @@ def _finish(proc: subprocess.Popen, out: Path, timeout: float = 900) -> tuple[in
     return proc.returncode, out.read_text()
 
 
+def _groups_at_exit(tmp_path: Path) -> dict[int, list[str]]:
+    """Per rank, what LENGTH_REWARD's exit hook saw of the torch.distributed group at each launch's interpreter exit.
+    A group left alive for interpreter exit can kill a rank that finished its run (gloo's threads meet Python's
+    teardown: SIGABRT), so every launch must have destroyed it by then, finished or interrupted."""
+    return {rank: (tmp_path / f"group-at-exit-rank{rank}.txt").read_text().split()
+            if (tmp_path / f"group-at-exit-rank{rank}.txt").exists() else [] for rank in (0, 1)}
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_2_rank_run(tmp_path_factory) -> bytes:
     """The final weights of the 4-step 2-rank run, never interrupted."""
     tmp_path = tmp_path_factory.mktemp("uninterrupted")
     code, out = _finish(*_torchrun(tmp_path, "whole"))
     assert code == 0, out[-3000:]
+    assert _groups_at_exit(tmp_path) == {0: ["destroyed"], 1: ["destroyed"]}, out[-3000:]
     return (tmp_path / "whole" / "model" / "model.safetensors").read_bytes()
 
 
@@ -645,3 +663,17 @@ def test_torchrun_ranks_agree_on_the_interrupted_step_all_save_it_and_resume_exa
              if "loss" in r["metrics"]]
     assert steps == [1, 2, 3, 4], steps
     assert (run_dir / "model" / "model.safetensors").read_bytes() == uninterrupted_2_rank_run
+    # the interrupted launch and the resumed one: each rank's group destroyed before its interpreter exit
+    assert _groups_at_exit(tmp_path) == {0: ["destroyed"] * 2, 1: ["destroyed"] * 2}, out[-3000:]
+
+
+def test_torchrun_refusal_reaches_every_rank_as_one_line_and_each_exits_2_with_its_group_destroyed(tmp_path):
+    """``--resume`` of a run that does not exist, under torchrun: rank 0 decides, every rank prints the same one-line
+    refusal and exits 2 (no traceback of ours), and each has destroyed its process group before its interpreter exit."""
+    code, out = _finish(*_torchrun(tmp_path, "never-ran", resume=True))
+    assert code != 0, out[-3000:]
+    refusal = f"--resume: no run to resume at {tmp_path / 'never-ran'} (no config.yaml there)"
+    assert out.count(refusal) == 2, out[-3000:]
+    # each rank exits 2 (torchrun's own ChildFailedError traceback follows, the launcher's report of it)
+    assert out.count("exitcode  : 2") == 2 and "RunDirectoryError" not in out, out[-3000:]
+    assert _groups_at_exit(tmp_path) == {0: ["destroyed"], 1: ["destroyed"]}, out[-3000:]

@@ -179,13 +179,13 @@ def run(
             validate_run_name(run_name)  # "" is a mistake, not a request for a generated name
         distributed.check_launch_matches_config(cfg, distributed.launched_world_size())  # before any stage runs
         if distributed.launched_world_size() > 1:
-            distributed.init_process_group()
-            name = distributed.decide_on_main(lambda: run_name or default_run_name(cfg))
-            run_dir = distributed.decide_on_main(lambda: open_run_dir(cfg, name, resume))
-            typer.echo(f"run: {run_dir.path}")
-            from grpo.pipeline.experiment import run_experiment
+            with distributed.process_group():
+                name = distributed.decide_on_main(lambda: run_name or default_run_name(cfg))
+                run_dir = distributed.decide_on_main(lambda: open_run_dir(cfg, name, resume))
+                typer.echo(f"run: {run_dir.path}")
+                from grpo.pipeline.experiment import run_experiment
 
-            summary = run_experiment(cfg, run_dir, resume=resume, log=typer.echo)
+                summary = run_experiment(cfg, run_dir, resume=resume, log=typer.echo)
         else:
             name = run_name or default_run_name(cfg)
             run_dir = check_run_dir(cfg, name, resume)  # fail fast, before Prefect or MLflow start
