@@ -4,16 +4,22 @@ Rank 0 owns the run directory, evaluation and the summary; every rank trains. De
 (does the run directory exist?) are made on rank 0 and broadcast, so a refusal stops every rank with the same
 message instead of leaving the others waiting at a barrier.
 
-The process group lives exactly as long as the run (:func:`process_group`): destroyed when the ranks are done, never
-left for interpreter exit. A gloo group still alive then is torn down while Python is being finalised, its C++ worker
-threads meet that teardown, and a rank that finished its run can die with ``terminate called without an active
-exception`` (SIGABRT, exit -6), so the launcher reports a finished run as failed.
+A rank ends without Python's interpreter teardown. Its C++ threads (gloo's work loops and transport loop) outlive
+the run: :func:`process_group` destroys the group, but once a model was wrapped in DDP the C++ group, and so its
+threads, stay alive after that (on gloo ranks: DDP built and freed, then ``destroy_process_group``, threads still run).
+When such a thread meets the teardown, a rank that finished its run can die with ``terminate called without an active
+exception`` (SIGABRT, exit -6), and the launcher reports a finished run as failed, depending on timing. So
+:func:`exit_rank` runs what an exit runs for Python code (non-daemon threads joined, ``atexit`` handlers: logging,
+MLflow) and then ends the process with the CLI's exit code, skipping only the teardown.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
@@ -65,6 +71,28 @@ def process_group() -> Iterator[None]:
         destroy_process_group()
         raise
     destroy_process_group()
+
+
+def exit_rank(code: int | str | None) -> None:
+    """End this rank of a multi-process run with ``code`` (``SystemExit.code``): non-daemon threads joined, ``atexit``
+    handlers run and stdio flushed, as at any exit, then ``os._exit`` instead of the interpreter's teardown."""
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # sys.exit("message"): printed, status 1, as Python does
+        print(code, file=sys.stderr)
+        status = 1
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # CPython's own exit step (the module's only way to run them); handlers run once
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing left to write to
+            pass
+    os._exit(status)
 
 
 def decide_on_main(fn: Callable[[], T]) -> T:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -541,10 +542,20 @@ transformers.Trainer.__init__ = _init_with_hold
 """
 
 
+# Loaded into every rank of _torchrun's launches. Besides the reward: an object that aborts the process (SIGABRT) if
+# the interpreter's teardown frees it, which forces what a C++ thread meeting the teardown does (gloo's threads
+# outlive the group once DDP wrapped the model): a rank must end without that teardown (grpo.distributed.exit_rank);
+# and an exit hook recording whether the process group was destroyed by then.
 LENGTH_REWARD = """
-import atexit, os
+import atexit, os, sys
 from pathlib import Path
 from grpo.rewards import register_reward
+
+class _AbortInTeardown:
+    def __del__(self, abort=os.abort):  # bound now: the teardown may clear the os module first
+        abort()
+
+sys._abort_in_teardown = _AbortInTeardown()  # freed only by the teardown
 
 @atexit.register
 def _record_the_process_group_at_exit():  # runs after the CLI returned: is a torch.distributed group still alive?
@@ -594,9 +605,16 @@ def _finish(proc: subprocess.Popen, out: Path, timeout: float = 900) -> tuple[in
 def _groups_at_exit(tmp_path: Path) -> dict[int, list[str]]:
     """Per rank, what LENGTH_REWARD's exit hook saw of the torch.distributed group at each launch's interpreter exit.
     A group left alive for interpreter exit can kill a rank that finished its run (gloo's threads meet Python's
-    teardown: SIGABRT), so every launch must have destroyed it by then, finished or interrupted."""
+    teardown: SIGABRT), so every launch must have destroyed it by then, finished or interrupted. A rank that torchrun
+    stops with SIGTERM because the other one exited first (a failed or interrupted launch) records nothing."""
     return {rank: (tmp_path / f"group-at-exit-rank{rank}.txt").read_text().split()
             if (tmp_path / f"group-at-exit-rank{rank}.txt").exists() else [] for rank in (0, 1)}
+
+
+def _failed_ranks(out: str) -> dict[int, int]:
+    """torchrun's failure report: rank -> exit code of each rank that did not exit 0."""
+    return {int(rank): int(code) for rank, code in
+            re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\n\s+exitcode\s+: (-?\d+)", out)}
 
 
 @pytest.fixture(scope="module")
@@ -663,17 +681,26 @@ def test_torchrun_ranks_agree_on_the_interrupted_step_all_save_it_and_resume_exa
              if "loss" in r["metrics"]]
     assert steps == [1, 2, 3, 4], steps
     assert (run_dir / "model" / "model.safetensors").read_bytes() == uninterrupted_2_rank_run
-    # the interrupted launch and the resumed one: each rank's group destroyed before its interpreter exit
-    assert _groups_at_exit(tmp_path) == {0: ["destroyed"] * 2, 1: ["destroyed"] * 2}, out[-3000:]
+    # The interrupted launch and the resumed one: every rank that reached its interpreter exit had destroyed its
+    # group. In the interrupted launch the first rank to exit always does; torchrun then sends the other SIGTERM,
+    # which ends it without an exit hook when it arrives after training (which rank, and whether, is timing).
+    groups = _groups_at_exit(tmp_path)
+    assert all(g in (["destroyed"], ["destroyed"] * 2) for g in groups.values()), groups
+    assert sum(map(len, groups.values())) >= 3, groups
 
 
-def test_torchrun_refusal_reaches_every_rank_as_one_line_and_each_exits_2_with_its_group_destroyed(tmp_path):
-    """``--resume`` of a run that does not exist, under torchrun: rank 0 decides, every rank prints the same one-line
-    refusal and exits 2 (no traceback of ours), and each has destroyed its process group before its interpreter exit."""
+def test_torchrun_refusal_reaches_every_rank_as_one_line_and_exits_2_with_its_group_destroyed(tmp_path):
+    """``--resume`` of a run that does not exist, under torchrun: rank 0 decides and every rank gets the refusal.
+    Each rank that exits on its own prints the one line (no traceback of ours), exits 2 and has destroyed its process
+    group before its interpreter exit. The first rank out always does; torchrun then stops the other with SIGTERM if
+    it is still running (which one is first is timing)."""
     code, out = _finish(*_torchrun(tmp_path, "never-ran", resume=True))
     assert code != 0, out[-3000:]
-    refusal = f"--resume: no run to resume at {tmp_path / 'never-ran'} (no config.yaml there)"
-    assert out.count(refusal) == 2, out[-3000:]
-    # each rank exits 2 (torchrun's own ChildFailedError traceback follows, the launcher's report of it)
-    assert out.count("exitcode  : 2") == 2 and "RunDirectoryError" not in out, out[-3000:]
-    assert _groups_at_exit(tmp_path) == {0: ["destroyed"], 1: ["destroyed"]}, out[-3000:]
+    failed = _failed_ranks(out)
+    assert sorted(failed) == [0, 1] and set(failed.values()) <= {2, -15} and 2 in failed.values(), out[-3000:]
+    refusal = f"error: --resume: no run to resume at {tmp_path / 'never-ran'} (no config.yaml there)"
+    assert out.count(refusal) >= list(failed.values()).count(2), out[-3000:]
+    assert "RunDirectoryError" not in out, out[-3000:]  # torchrun's own ChildFailedError traceback is its report
+    groups = _groups_at_exit(tmp_path)
+    for rank, exit_code in failed.items():
+        assert groups[rank] == ["destroyed"] if exit_code == 2 else groups[rank] in ([], ["destroyed"]), groups

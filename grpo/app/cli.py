@@ -563,10 +563,17 @@ def main() -> None:
     # Prefect's default start-up budget for its ephemeral API server (20 s) is missed on a busy 2-core machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(PREFECT_STARTUP_SECONDS))
     try:
-        app()
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        sys.exit(130)
+        try:
+            app()
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            sys.exit(130)
+    except SystemExit as done:  # every ending the CLI chose: finished, refused (2), interrupted (130/143)
+        from grpo import distributed
+
+        if distributed.launched_world_size() > 1:
+            distributed.exit_rank(done.code)
+        raise
 
 
 if __name__ == "__main__":
