@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from grpo.errors import ConfigError, GRPOPlatformError
 
@@ -73,7 +73,7 @@ def process_group() -> Iterator[None]:
     destroy_process_group()
 
 
-def exit_rank(code: int | str | None) -> None:
+def exit_rank(code: int | str | None) -> NoReturn:
     """End this rank of a multi-process run with ``code`` (``SystemExit.code``): non-daemon threads joined, ``atexit``
     handlers run and stdio flushed, as at any exit, then ``os._exit`` instead of the interpreter's teardown."""
     if code is None:

@@ -607,8 +607,8 @@ def _groups_at_exit(tmp_path: Path) -> dict[int, list[str]]:
     A group left alive for interpreter exit can kill a rank that finished its run (gloo's threads meet Python's
     teardown: SIGABRT), so every launch must have destroyed it by then, finished or interrupted. A rank that torchrun
     stops with SIGTERM because the other one exited first (a failed or interrupted launch) records nothing."""
-    return {rank: (tmp_path / f"group-at-exit-rank{rank}.txt").read_text().split()
-            if (tmp_path / f"group-at-exit-rank{rank}.txt").exists() else [] for rank in (0, 1)}
+    records = {rank: tmp_path / f"group-at-exit-rank{rank}.txt" for rank in (0, 1)}
+    return {rank: f.read_text().split() if f.exists() else [] for rank, f in records.items()}
 
 
 def _failed_ranks(out: str) -> dict[int, int]:
@@ -703,4 +703,7 @@ def test_torchrun_refusal_reaches_every_rank_as_one_line_and_exits_2_with_its_gr
     assert "RunDirectoryError" not in out, out[-3000:]  # torchrun's own ChildFailedError traceback is its report
     groups = _groups_at_exit(tmp_path)
     for rank, exit_code in failed.items():
-        assert groups[rank] == ["destroyed"] if exit_code == 2 else groups[rank] in ([], ["destroyed"]), groups
+        if exit_code == 2:
+            assert groups[rank] == ["destroyed"], groups
+        else:  # SIGTERM from torchrun: it may have come before or after the exit hook
+            assert groups[rank] in ([], ["destroyed"]), groups
