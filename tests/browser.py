@@ -67,8 +67,9 @@ def open_section(page, title: str) -> None:
 
 def submit(page, server, deployment_id: str, known: set[str], button: str = "Submit") -> dict:
     """Press ``button`` on a deployment's run page (or the Quick run menu item) and return the flow run it created
-    (the deployment's runs not in ``known``), waiting up to 3 minutes for the shared server to record it; a refused
-    request ("Something went wrong", the server's SQLite busy under load) is submitted again, as a person would."""
+    (the deployment's runs not in ``known``), waiting up to 10 minutes (a hung server's bound) for the shared server
+    to record it; a refused request ("Something went wrong", the server's SQLite busy under load) is submitted again,
+    as a person would."""
     def press() -> None:
         if button == "Quick run":
             page.get_by_role("button", name="Run", exact=True).click()
@@ -77,7 +78,7 @@ def submit(page, server, deployment_id: str, known: set[str], button: str = "Sub
             page.get_by_role("button", name=button, exact=True).click()
 
     press()
-    deadline, resubmits = time.monotonic() + 180, 0
+    deadline, resubmits = time.monotonic() + 600, 0
     while True:
         runs = server.post("flow_runs/filter", {"deployments": {"id": {"any_": [str(deployment_id)]}}}).json()
         created = [r for r in runs if r["id"] not in known]
@@ -92,6 +93,6 @@ def submit(page, server, deployment_id: str, known: set[str], button: str = "Sub
             continue
         if time.monotonic() > deadline:
             page.screenshot(path=str(SCREENSHOTS / "prefect-submit-failed.png"))
-            pytest.fail("no flow run 180 s after submitting; the page says: "
+            pytest.fail("no flow run 600 s after submitting; the page says: "
                         + page.locator("body").inner_text()[-1500:])
         time.sleep(1)

@@ -368,7 +368,7 @@ def test_grpo_serve_serves_pipeline_and_scheduled_sweep(prefect_server, tmp_path
                                 env=s.env(), cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + 600  # a hung server's bound: the shared one has stalled for minutes
         while True:  # the runner registers both deployments when it starts
             served = s.post("deployments/filter", {"deployments": {"name": {"any_": ["served"]}}, "limit": 5}).json()
             if len(served) == 2:

@@ -24,13 +24,19 @@ def healthy(url: str) -> bool:
         return False
 
 
-def test_grpo_ui_serves_both_and_stops_them(tmp_path):
+def test_grpo_ui_serves_both_grpo_serve_waits_out_its_busy_prefect_server_and_ctrl_c_stops_them(tmp_path):
+    """The README's steps: ``grpo ui``, then ``grpo serve`` against its Prefect server. The serve meets the server
+    busy (forced: its process group stopped, so the kernel accepts the connection and nothing answers, as an event
+    loop held by SQLite on a loaded machine does); it says so and registers its deployments once the server answers.
+    Before, its 5-second health check failed the serve ("no Prefect server ... (timed out)", exit 2): clean-clone CI
+    at e849605."""
     prefect_port, mlflow_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "grpo.app.cli", "ui", "--prefect-port", str(prefect_port),
                              "--mlflow-port", str(mlflow_port)], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")})  # a fresh database
     try:
-        deadline = time.time() + 240
+        deadline = time.time() + 600  # a hung server's bound
         line = ""
         while time.time() < deadline and "MLflow UI" not in line:
             line = proc.stdout.readline()
@@ -40,12 +46,68 @@ def test_grpo_ui_serves_both_and_stops_them(tmp_path):
         assert healthy(f"http://127.0.0.1:{mlflow_port}/health")
         assert (tmp_path / "mlflow.db").is_file()  # the project folder's local store
         _experiment_opens_on_its_runs(f"http://127.0.0.1:{mlflow_port}")
+        _serve_waits_out_a_busy_server(proc, prefect_port, tmp_path)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     time.sleep(1)
     assert not healthy(f"http://127.0.0.1:{prefect_port}/api/health")
     assert not healthy(f"http://127.0.0.1:{mlflow_port}/health")
+
+
+def _serve_waits_out_a_busy_server(ui: subprocess.Popen, prefect_port: int, tmp_path) -> None:
+    from pathlib import Path
+
+    import psutil
+
+    from tests.servers import BIN, PrefectServer
+
+    [prefect] = [p for p in psutil.Process(ui.pid).children()
+                 if any(Path(c).name == "prefect" for c in p.cmdline()[:2])]  # `prefect server start`
+    server = PrefectServer(tmp_path / "serve-home", prefect_port)
+    server.home.mkdir()
+    log = tmp_path / "serve.log"
+    os.killpg(prefect.pid, signal.SIGSTOP)
+    try:
+        # with Prefect's client patience set to two 3-second tries, the serve gives up in one line, naming the wait
+        impatient = server.run(str(BIN / "grpo"), "serve", cwd=tmp_path, timeout=600,
+                               env=server.env(PREFECT_API_REQUEST_TIMEOUT="3", PREFECT_CLIENT_MAX_RETRIES="1"))
+        *notes, error = impatient.stderr.strip().splitlines()
+        assert impatient.returncode == 2 and impatient.stdout == "", (impatient.stdout, impatient.stderr)
+        assert [n.split(" is busy")[0] for n in notes] == [f"note: the Prefect server at {server.url}"], notes
+        assert error.startswith(f"error: the Prefect server at {server.url} accepts connections but did not answer "
+                                "GET /health in 6 s"), error
+        assert "PREFECT_API_REQUEST_TIMEOUT" in error and "Traceback" not in impatient.stderr
+        with log.open("w") as out:
+            serve = subprocess.Popen([str(BIN / "grpo"), "serve"], cwd=tmp_path, env=server.env(), stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600  # a hung CLI's bound
+            while "is busy" not in log.read_text():
+                assert serve.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+            assert serve.poll() is None, log.read_text()[-3000:]
+            os.killpg(prefect.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 600  # a hung server's bound
+            while True:  # the runner registers both deployments when it starts
+                served = server.query("deployments/filter", {"deployments": {"name": {"any_": ["local"]}}})
+                if len(served) == 2:
+                    break
+                assert serve.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+            [note] = [line for line in log.read_text().splitlines() if "is busy" in line]
+            assert note.startswith(f"note: the Prefect server at http://127.0.0.1:{prefect_port}/api is busy"), note
+            assert "error:" not in log.read_text() and "Traceback" not in log.read_text(), log.read_text()[-3000:]
+        finally:
+            serve.send_signal(signal.SIGINT)  # Ctrl-C
+            try:
+                serve.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(serve.pid, signal.SIGKILL)
+                serve.wait()
+    finally:
+        os.killpg(prefect.pid, signal.SIGCONT)
+    assert serve.returncode == 0, log.read_text()[-3000:]
 
 
 def _experiment_opens_on_its_runs(uri: str) -> None:

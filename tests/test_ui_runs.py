@@ -84,7 +84,7 @@ class Served:
         with self.log.open("a") as out:
             self.proc = subprocess.Popen([str(BIN / "grpo"), "serve"], cwd=self.home, env=self.env, stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 600  # a hung server's bound: the shared one has stalled for minutes
         while True:  # the runner registers (creates or updates) both deployments when it starts
             now = {}
             for name in before:
@@ -316,7 +316,7 @@ def test_a_quick_run_is_the_preset_and_cancel_in_the_ui_saves_a_checkpoint(serve
     assert step == 1 and (run_dir / "checkpoints" / "checkpoint-1").is_dir()
     assert f"MLflow run name {run_dir.name!r} and Resume on" in message
     # The flow run's log handler ships records in batches: the line may reach the server after the final state.
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600  # a hung server's bound
     while True:
         logs = served.server.post("logs/filter", {"logs": {"flow_run_id": {"any_": [train["id"]]}},
                                                   "sort": "TIMESTAMP_DESC", "limit": 200}).json()  # the newest

@@ -56,6 +56,11 @@ EnvModuleOpt = Annotated[
 ]
 
 
+def _note(message: str) -> None:
+    """A line about a wait the user should know of (a busy server), on stderr beside the errors."""
+    typer.echo(f"note: {message}", err=True)
+
+
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code=2)
@@ -522,7 +527,7 @@ def serve(
     try:
         if schedule is not None:  # a bad cron is the user's error whether or not a server answers: say it first
             serving.check_cron(schedule, timezone)
-        url = serving.check_server()
+        url = serving.check_server(on_wait=_note)
         deployments = serving.build_deployments(name, config, schedule, schedule_flow, timezone)
     except GRPOPlatformError as err:
         _fail(str(err))
@@ -550,7 +555,7 @@ def deploy(
     from grpo.app import serve as serving
 
     try:
-        code = serving.prefect_deploy(prefect_file, name, ctx.args)
+        code = serving.prefect_deploy(prefect_file, name, ctx.args, on_wait=_note)
     except GRPOPlatformError as err:
         _fail(str(err))
     raise typer.Exit(code=code)

@@ -16,7 +16,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -56,17 +56,67 @@ def api_url() -> str:
     return url.rstrip("/")
 
 
-def check_server(timeout: float = 5.0) -> str:
-    """The API URL of a Prefect server that answers its health check; :class:`ServeError` otherwise."""
+def server_patience() -> float:
+    """How long a Prefect server that accepts connections may take to answer: what Prefect's own client gives one
+    request (``PREFECT_API_REQUEST_TIMEOUT`` per try, ``1 + PREFECT_CLIENT_MAX_RETRIES`` tries: 6 minutes by
+    default). Everything ``grpo serve`` does after its check goes through that client, so the check is no less
+    patient than the serving it guards."""
+    from prefect.settings import PREFECT_API_REQUEST_TIMEOUT, PREFECT_CLIENT_MAX_RETRIES
+
+    return float(PREFECT_API_REQUEST_TIMEOUT.value()) * (1 + int(PREFECT_CLIENT_MAX_RETRIES.value()))
+
+
+def server_get(path: str, url: str | None = None, on_wait: Callable[[str], None] | None = None,
+               first_wait: float = 5.0, patience: float | None = None):
+    """``GET {url}/{path}`` on the Prefect API, patient with a busy server and quick with an absent one.
+
+    Nothing listening (connection refused, unknown host) is :class:`ServeError` at once. A server that accepted the
+    connection but has not answered in ``first_wait`` seconds is busy (its event loop held by SQLite or a starved
+    CPU: a loaded 2-core machine held the shared test server's for longer than 5 s): ``on_wait`` gets one line
+    saying so, and the request is asked again until ``patience`` seconds (:func:`server_patience`) have passed. A
+    503 (its SQLite held by another writer) is waited out the same way."""
+    import time
+
     import httpx
 
+    url = url or api_url()
+    patience = server_patience() if patience is None else patience
+    deadline = time.monotonic() + patience
+    wait, said = first_wait, False
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            # the connect stays short: a listening server completes it in the kernel, even while its process is busy
+            response = httpx.get(f"{url}/{path}", timeout=httpx.Timeout(max(min(wait, left), 0.1), connect=5.0))
+        except (httpx.ConnectError, httpx.UnsupportedProtocol, httpx.InvalidURL) as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ServeError(f"no Prefect server at {url} ({reason}); start one with `grpo ui` or "
+                             "`prefect server start`, or fix PREFECT_API_URL") from None
+        except httpx.TransportError as err:  # a timeout, or a connection the busy server dropped
+            if time.monotonic() >= deadline:
+                raise ServeError(f"the Prefect server at {url} accepts connections but did not answer "
+                                 f"GET /{path} in {patience:.0f} s ({type(err).__name__}); is it hung? "
+                                 "(PREFECT_API_REQUEST_TIMEOUT and PREFECT_CLIENT_MAX_RETRIES set the wait)") from None
+            response = None
+        if response is not None and (response.status_code != 503 or time.monotonic() >= deadline):
+            return response
+        if not said and on_wait is not None:
+            bound = f"{patience / 60:.0f} min" if patience >= 120 else f"{patience:.0f} s"
+            on_wait(f"the Prefect server at {url} is busy (no answer to GET /{path} in {first_wait:g} s); "
+                    f"waiting for it, up to {bound} (Ctrl-C stops)")
+        said = True
+        if response is not None:
+            time.sleep(1)
+        from prefect.settings import PREFECT_API_REQUEST_TIMEOUT
+
+        wait = float(PREFECT_API_REQUEST_TIMEOUT.value())  # later tries wait as long as one of Prefect's client's
+
+
+def check_server(on_wait: Callable[[str], None] | None = None, patience: float | None = None) -> str:
+    """The API URL of a Prefect server that answers its health check (waiting for a busy one, see
+    :func:`server_get`); :class:`ServeError` otherwise."""
     url = api_url()
-    try:
-        response = httpx.get(f"{url}/health", timeout=timeout)
-    except httpx.HTTPError as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ServeError(f"no Prefect server at {url} ({reason}); start one with `grpo ui` or "
-                         "`prefect server start`, or fix PREFECT_API_URL") from None
+    response = server_get("health", url, on_wait=on_wait, patience=patience)
     if response.status_code != 200:
         raise ServeError(f"the Prefect server at {url} is not healthy (HTTP {response.status_code} from /health)")
     return url
@@ -256,12 +306,11 @@ def deployment_entries(prefect_file: Path) -> list[dict]:
     return entries
 
 
-def check_deploy(prefect_file: Path, names: list[str] | None = None, check_pools: bool = True) -> list[str]:
+def check_deploy(prefect_file: Path, names: list[str] | None = None, check_pools: bool = True,
+                 on_wait: Callable[[str], None] | None = None) -> list[str]:
     """Check what ``prefect deploy`` needs before it runs: a server, every named deployment's entrypoint file and
     work pool. Returns the deployment names to deploy (all of them by default)."""
-    import httpx
-
-    url = check_server()
+    url = check_server(on_wait)
     entries = deployment_entries(prefect_file)
     by_name = {e.get("name"): e for e in entries}
     wanted = names or list(by_name)
@@ -274,7 +323,7 @@ def check_deploy(prefect_file: Path, names: list[str] | None = None, check_pools
             raise ServeError(f"deployment {name!r}: entrypoint {path} not found under {Path.cwd()} (deploy from the "
                              "repository root)")
         pool = (entry.get("work_pool") or {}).get("name")
-        if check_pools and pool and httpx.get(f"{url}/work_pools/{pool}", timeout=10).status_code == 404:
+        if check_pools and pool and server_get(f"work_pools/{pool}", url, on_wait).status_code == 404:
             template = Path("infra") / "work-pools" / f"{pool}.json"  # deploys run from the repository root
             hint = f" --base-job-template {template}" if (Path.cwd() / template).is_file() else ""
             raise ServeError(f"deployment {name!r}: work pool {pool!r} does not exist; create it first: "
@@ -282,13 +331,15 @@ def check_deploy(prefect_file: Path, names: list[str] | None = None, check_pools
     return wanted
 
 
-def prefect_deploy(prefect_file: Path, names: list[str] | None = None, extra: list[str] | None = None) -> int:
-    """``prefect --no-prompt deploy --prefect-file FILE --name ... [extra]`` in this process; its exit code."""
+def prefect_deploy(prefect_file: Path, names: list[str] | None = None, extra: list[str] | None = None,
+                   on_wait: Callable[[str], None] | None = None) -> int:
+    """``prefect --no-prompt deploy --prefect-file FILE --name ... [extra]`` in this process; its exit code.
+    ``on_wait`` gets a line when the server is busy (see :func:`server_get`)."""
     from prefect.cli import app
 
     extra = list(extra or [])
     # with --pool the deployments go to another pool than the file names; `prefect deploy` checks that one
-    wanted = check_deploy(prefect_file, names, check_pools=not {"--pool", "-p"} & set(extra))
+    wanted = check_deploy(prefect_file, names, check_pools=not {"--pool", "-p"} & set(extra), on_wait=on_wait)
     _patch_worker_lookup()
     argv = ["prefect", "--no-prompt", "deploy", "--prefect-file", str(prefect_file)]
     for name in wanted:

@@ -80,8 +80,9 @@ def start_servers(project_dir: Path, prefect_port: int, mlflow_port: int) -> lis
     )
     procs = [prefect, mlflow]
     try:
-        wait_healthy(f"http://127.0.0.1:{prefect_port}/api/health", prefect, 120)
-        wait_healthy(f"http://127.0.0.1:{mlflow_port}/health", mlflow, 120)
+        # a hung server's bound, not a speed limit: Prefect's migrations take half a minute on a busy 2-core machine
+        wait_healthy(f"http://127.0.0.1:{prefect_port}/api/health", prefect, 600)
+        wait_healthy(f"http://127.0.0.1:{mlflow_port}/health", mlflow, 600)
     except BaseException:
         stop_servers(procs)
         raise
