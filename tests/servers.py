@@ -198,15 +198,16 @@ class PrefectServer:
 
     def _request(self, method: str, path: str, **kw):
         """One API call; a 503 (the shared SQLite-backed server busy for a moment under the suite's load) is retried
-        for up to two minutes, and so is a read that timed out (a loaded machine) when the call only reads (GET, a
-        ``/filter`` query: asking again creates nothing); anything else is returned or raised as it is."""
+        for up to ten minutes (a hung server's bound: the shared one has stalled for minutes), and so is a read that
+        timed out (a loaded machine) when the call only reads (GET, a ``/filter`` query: asking again creates
+        nothing); anything else is returned or raised as it is."""
         import httpx
 
         # One client per thread, kept: a new one per call builds a TLS context (about 25 ms of CPU), and tests poll.
         client = getattr(self._clients, "client", None)
         if client is None:
             client = self._clients.client = httpx.Client(timeout=30)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600
         reads = method == "GET" or path.endswith("/filter")
         while True:
             try:

@@ -151,6 +151,57 @@ def test_server_outage_buffers_and_delivers_exactly_once(make_tracker, tmp_path)
         mlflow_server.stop(kill=True)
 
 
+def test_nothing_listening_is_unreachable_at_once(make_tracker):
+    from tests.servers import free_port
+
+    uri = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(TrackingError, match=f"MLflow tracking server {uri} is unreachable: "):
+        make_tracker(uri).start("nothing", "grpo-test")
+
+
+def test_a_busy_server_at_start_is_waited_for_not_called_unreachable(make_tracker, tmp_path, caplog):
+    """A server that accepts the connection but does not answer (forced: its process group stopped, as a single
+    worker with its SQLite held on a loaded machine behaves) gets a warning and the run starts once it answers.
+    Before, the 10-second health check raised "unreachable" and the run failed. Nothing listening is still an error
+    at once (``test_nothing_listening_is_unreachable_at_once``)."""
+    import logging
+    import signal
+    import threading
+
+    from tests.servers import MlflowServer
+
+    server = MlflowServer(tmp_path / "mlflow").start()  # its own: the session's is shared by other tests
+    tracker = make_tracker(server.uri)  # http_timeout 5 s
+    started: dict = {}
+
+    def start() -> None:
+        try:
+            started["run_id"] = tracker.start("busy", "grpo-test")
+        except Exception as err:  # noqa: BLE001 -- shown by the assertion below
+            started["error"] = repr(err)
+
+    os.killpg(server.proc.pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level(logging.WARNING, logger="grpo.tracking"):
+            thread = threading.Thread(target=start, daemon=True)
+            thread.start()
+            deadline = time.monotonic() + 600  # a hung tracker's bound
+            while not any("is busy" in r.getMessage() for r in caplog.records):
+                assert thread.is_alive() and time.monotonic() < deadline, started
+                time.sleep(0.2)
+        assert thread.is_alive(), started  # still waiting for the stopped server
+        os.killpg(server.proc.pid, signal.SIGCONT)
+        thread.join(timeout=600)
+        assert "run_id" in started, started
+        [warning] = [r.getMessage() for r in caplog.records if "is busy" in r.getMessage()]
+        assert warning.startswith(f"MLflow tracking server {server.uri} is busy (no answer to /health in 5 s)")
+        assert MlflowClient(server.uri).get_run(started["run_id"]).info.run_name == "busy"
+        assert tracker.close(timeout=30)
+    finally:
+        os.killpg(server.proc.pid, signal.SIGCONT)
+        server.stop(kill=True)
+
+
 def test_resume_same_run_no_gaps_no_duplicates(mlflow_server, make_tracker, tmp_path):
     uri, spool = mlflow_server.uri, tmp_path / "resumed" / "tracking_spool"
     params = {"grpo.learning_rate": 1e-4, "grpo.reward_funcs": ["exact_match"]}

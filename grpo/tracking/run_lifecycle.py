@@ -34,12 +34,22 @@ class RunLifecycle:
         return read_state(spool_dir).get("run_id")
 
     def _check_reachable(self) -> None:
+        """A clear error at once when nothing listens at the tracking URI. A server that accepted the connection but
+        does not answer ``/health`` in time is busy (one worker, its SQLite held, a starved CPU), not absent: the run
+        goes on with a warning, and MLflow's client waits for the server as it does for every request
+        (``MLFLOW_HTTP_REQUEST_TIMEOUT``, ``MLFLOW_HTTP_REQUEST_MAX_RETRIES``). Before, that wait failed the run as
+        "unreachable" on a loaded machine."""
         if not is_http(self.tracking_uri):
             return
         import requests
 
+        wait = min(self.http_timeout, 10)
         try:
-            requests.get(self.tracking_uri.rstrip("/") + "/health", timeout=min(self.http_timeout, 10))
+            requests.get(self.tracking_uri.rstrip("/") + "/health", timeout=wait)
+        except requests.ReadTimeout:
+            _log.warning("MLflow tracking server %s is busy (no answer to /health in %g s); going on: MLflow's client "
+                         "waits for it (MLFLOW_HTTP_REQUEST_TIMEOUT, MLFLOW_HTTP_REQUEST_MAX_RETRIES)",
+                         self.tracking_uri, wait)
         except requests.RequestException as err:
             raise TrackingError(f"MLflow tracking server {self.tracking_uri} is unreachable: {err}") from None
 
