@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
 import zlib
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank != 0:
         policy = load_policy(base_cfg, data, log=lambda *_: None)
     shared = {"model": policy.model, "tokenizer": policy.tokenizer, "train": data["train"], "counter": [0],
-              "tmp": Path(tempfile.mkdtemp(prefix=f"matrix-{rank}-"))}
+              "tmp": Path(tempfile.mkdtemp(prefix=f"matrix-{rank}-"))}  # each row's run folder; removed at the end
     env_rows = [row for _, row in rows if row.get("env")]
     if env_rows:
         env_cfg = config_from_dict(config_dict(env_rows[0], world, 1, args.timeout), "matrix environment")
@@ -383,10 +384,21 @@ def main(argv: list[str] | None = None) -> int:
             with out.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    try:
+        _run_rows(rows, world, shared, references, emit, args.timeout)
+    finally:
+        shutil.rmtree(shared["tmp"], ignore_errors=True)  # a suite run left about 8 MB per rank in /tmp before
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+def _run_rows(rows, world: int, shared: dict, references: dict, emit, timeout: float) -> None:
+    """Run every row, emitting one record each (the first error is recorded, then raised)."""
     for name, row in rows:
         record: dict[str, Any] = {"name": name, "row": row, "world": world}
         try:
-            result = run_one(row, world, steps_for(row), shared, args.timeout)
+            result = run_one(row, world, steps_for(row), shared, timeout)
             probe = result["probe"]
             record.update(steps=len(probe.hashes), hashes=probe.hashes, allreduces=probe.allreduces,
                           seconds=round(result["seconds"], 2),
@@ -403,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                 ref_row = reference(row, neutral)
                 key = json.dumps(ref_row, sort_keys=True)
                 if key not in references:
-                    ref = run_one(ref_row, world, 1, shared, args.timeout)["probe"]
+                    ref = run_one(ref_row, world, 1, shared, timeout)["probe"]
                     references[key] = ref.first_step - ref.start
                 expected = references[key]
                 update = probe.first_step - probe.start
@@ -417,9 +429,6 @@ def main(argv: list[str] | None = None) -> int:
             emit(record)
             raise
         emit(record)
-    if world > 1:
-        dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

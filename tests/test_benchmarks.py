@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -164,10 +165,16 @@ def test_benchmark_smoke(name, request):
         env = request.getfixturevalue("prefect_server").env(**env)
     # Below pytest's 900 s, so a hang reports the benchmark's output; async_overlap, the slowest, took 360 s on 2 cores
     # shared with three other test runs (load ~8).
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", name, "--smoke"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=840)
+    # The work folders a benchmark makes (and keeps, naming them in its result, for a full run's inspection) go to a
+    # temporary folder removed after the smoke run: every suite run left about 60 MB in /tmp before. A short path:
+    # multiprocessing and the servers put their Unix sockets under TMPDIR.
+    with tempfile.TemporaryDirectory(prefix="bench-smoke-") as tmp:
+        proc = subprocess.run([sys.executable, "-m", "benchmarks", name, "--smoke"], cwd=REPO,
+                              env={**env, "TMPDIR": tmp}, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("workdir", "out"):  # the folders a result names were made under TMPDIR, so they are gone now
+        assert key not in result or Path(result[key]).is_relative_to(tmp), (key, result[key], tmp)
     assert result["benchmark"] == name
     assert result["smoke"] is True
     CHECKS[name](result)
