@@ -199,22 +199,29 @@ class PrefectServer:
     def _request(self, method: str, path: str, **kw):
         """One API call; a 503 (the shared SQLite-backed server busy for a moment under the suite's load) is retried
         for up to ten minutes (a hung server's bound: the shared one has stalled for minutes), and so is a read that
-        timed out (a loaded machine) when the call only reads (GET, a ``/filter`` query: asking again creates
-        nothing); anything else is returned or raised as it is."""
+        timed out or whose connection was reset (a loaded machine) when the call only reads (GET, a ``/filter``
+        query: asking again creates nothing); anything else is returned or raised as it is."""
         import httpx
 
         # One client per thread, kept: a new one per call builds a TLS context (about 25 ms of CPU), and tests poll.
         client = getattr(self._clients, "client", None)
         if client is None:
-            client = self._clients.client = httpx.Client(timeout=30)
+            # A hung server's bound, not 30 s: the shared server's SQLite has been held by one writer for longer
+            # ("database is locked" in its log) while a test's POST waited, and a POST that timed out cannot be sent
+            # again (it may have created the flow run). Prefect's own client waits 60 s per try, with retries.
+            # Idle connections are dropped after 2 s, before the server's keep-alive timeout (uvicorn: 5 s) closes
+            # them: a request sent on a connection the server is closing at that moment fails with a reset.
+            client = self._clients.client = httpx.Client(timeout=httpx.Timeout(600.0, connect=30.0),
+                                                         limits=httpx.Limits(keepalive_expiry=2.0))
         deadline = time.monotonic() + 600
         reads = method == "GET" or path.endswith("/filter")
         while True:
             try:
                 response = client.request(method, f"{self.url}/{path}", **kw)
-            except httpx.TimeoutException:
+            except httpx.TransportError:  # a timeout, or a connection the busy server reset
                 if not reads or time.monotonic() > deadline:
                     raise
+                time.sleep(1)
                 continue
             if response.status_code != 503 or time.monotonic() > deadline:
                 return response
