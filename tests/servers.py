@@ -42,6 +42,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def interrupt(proc: subprocess.Popen, timeout: float) -> None:
+    """Ctrl-C (SIGINT) to ``proc`` (a ``grpo serve``, leading its own session) and wait for it; SIGKILL to its group
+    if it has not ended in ``timeout`` seconds."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 class MlflowServer:
     """``mlflow server`` with a SQLite backend store and proxied artifacts (``--artifacts-destination``)."""
 

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -34,7 +32,7 @@ from tests.browser import (
     submit,
 )
 from tests.conftest import MICRO, REPO
-from tests.servers import BIN, free_port
+from tests.servers import BIN, free_port, interrupt
 
 INFRA = REPO / "infra"
 POOLS = INFRA / "work-pools"
@@ -387,12 +385,7 @@ def test_grpo_serve_serves_pipeline_and_scheduled_sweep(prefect_server, tmp_path
         assert sweep["parameters"] == {"preset": "tiny", **SWEEP_PARAMETERS}
         assert not sweep["paused"]
     finally:
-        proc.send_signal(signal.SIGINT)  # Ctrl-C
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        interrupt(proc, timeout=60)
     assert s.get("deployments/name/grpo-sweep/served")["paused"]  # serving stopped: no schedule fires into nothing
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from grpo.config import load_config
 from tests.conftest import MICRO
-from tests.servers import BIN, PrefectServer
+from tests.servers import BIN, PrefectServer, interrupt
 
 pytestmark = pytest.mark.integration  # trains a model, starts servers or processes: not in `make test-fast`
 
@@ -105,12 +105,7 @@ def test_served_runs_are_confined_to_the_allowed_roots(prefect_server, tmp_path)
         assert [p.name for p in (allowed / "runs").iterdir()]  # the allowed run wrote its run directory there
         assert not list(Path("/").glob("micro-*"))
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        interrupt(proc, timeout=60)
 
 
 # ---------------------------------------------------------------- #12.5 Ctrl-C, #12.6 SIGTERM

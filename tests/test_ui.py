@@ -60,7 +60,7 @@ def _serve_waits_out_a_busy_server(ui: subprocess.Popen, prefect_port: int, tmp_
 
     import psutil
 
-    from tests.servers import BIN, PrefectServer
+    from tests.servers import BIN, PrefectServer, interrupt
 
     [prefect] = [p for p in psutil.Process(ui.pid).children()
                  if any(Path(c).name == "prefect" for c in p.cmdline()[:2])]  # `prefect server start`
@@ -99,12 +99,7 @@ def _serve_waits_out_a_busy_server(ui: subprocess.Popen, prefect_port: int, tmp_
             assert note.startswith(f"note: the Prefect server at http://127.0.0.1:{prefect_port}/api is busy"), note
             assert "error:" not in log.read_text() and "Traceback" not in log.read_text(), log.read_text()[-3000:]
         finally:
-            serve.send_signal(signal.SIGINT)  # Ctrl-C
-            try:
-                serve.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(serve.pid, signal.SIGKILL)
-                serve.wait()
+            interrupt(serve, timeout=120)
     finally:
         os.killpg(prefect.pid, signal.SIGCONT)
     assert serve.returncode == 0, log.read_text()[-3000:]

@@ -16,9 +16,7 @@ gate file exists, and the gate opens once the run has received the stop.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.browser import SCREENSHOTS, SECTION_TITLES, form_property, open_section, open_select, park, submit
-from tests.servers import BIN
+from tests.servers import BIN, interrupt
 
 pytestmark = pytest.mark.integration
 
@@ -98,12 +96,7 @@ class Served:
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGINT)  # Ctrl-C
-        try:
-            self.proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        interrupt(self.proc, timeout=90)
 
     def deployment(self, name: str = "grpo-pipeline/local") -> dict:
         return self.server.get(f"deployments/name/{name}")

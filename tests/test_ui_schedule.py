@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
-import signal
 import subprocess
 import time
 
 import pytest
 
 from tests.browser import CHROMIUM, CHROMIUM_ARGS, SCREENSHOTS, require_chromium
-from tests.servers import BIN
+from tests.servers import BIN, interrupt
 
 pytestmark = pytest.mark.integration
 
@@ -54,22 +52,13 @@ def _serve_a_schedule_whose_next_minute_is_still_ahead(s, env: dict, tmp_path):
                 assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
                 time.sleep(0.5)
         except BaseException:
-            _stop(proc)
+            interrupt(proc, timeout=90)
             raise
         starts = sorted(dt.datetime.fromisoformat(r["expected_start_time"].replace("Z", "+00:00")) for r in runs)
         if starts[0] == due:
             return proc, log, sweep, cron, due
-        _stop(proc)  # the minute passed before the server scheduled it: its first run is tomorrow
+        interrupt(proc, timeout=90)  # the minute passed before the server scheduled it: its first run is tomorrow
     raise AssertionError(f"serving took longer than {margin_s} s three times; last log: {log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def test_a_schedule_due_next_minute_starts_a_sweep_that_completes(prefect_server, mlflow_server, tmp_path):
@@ -104,7 +93,7 @@ def test_a_schedule_due_next_minute_starts_a_sweep_that_completes(prefect_server
             run = s.get(f"flow_runs/{run['id']}")
         assert run["state_type"] == "COMPLETED", (run["state"], log.read_text()[-4000:])
     finally:
-        _stop(proc)
+        interrupt(proc, timeout=90)
     [sweep_json] = list(tmp_path.glob("runs/*/sweep.json"))
     result = json.loads(sweep_json.read_text())
     assert [t["status"] for t in result["trials"]] == ["completed"] * 3, result["trials"]

@@ -56,14 +56,15 @@ def api_url() -> str:
     return url.rstrip("/")
 
 
-def server_patience() -> float:
-    """How long a Prefect server that accepts connections may take to answer: what Prefect's own client gives one
-    request (``PREFECT_API_REQUEST_TIMEOUT`` per try, ``1 + PREFECT_CLIENT_MAX_RETRIES`` tries: 6 minutes by
-    default). Everything ``grpo serve`` does after its check goes through that client, so the check is no less
-    patient than the serving it guards."""
+def server_patience() -> tuple[float, float]:
+    """How long a Prefect server that accepts connections may take to answer, as Prefect's own client waits for one
+    request: (seconds per try, ``PREFECT_API_REQUEST_TIMEOUT``; seconds in all, ``1 + PREFECT_CLIENT_MAX_RETRIES``
+    tries: 6 minutes by default). Everything ``grpo serve`` does after its check goes through that client, so the
+    check is no less patient than the serving it guards."""
     from prefect.settings import PREFECT_API_REQUEST_TIMEOUT, PREFECT_CLIENT_MAX_RETRIES
 
-    return float(PREFECT_API_REQUEST_TIMEOUT.value()) * (1 + int(PREFECT_CLIENT_MAX_RETRIES.value()))
+    per_try = float(PREFECT_API_REQUEST_TIMEOUT.value())
+    return per_try, per_try * (1 + int(PREFECT_CLIENT_MAX_RETRIES.value()))
 
 
 def server_get(path: str, url: str | None = None, on_wait: Callable[[str], None] | None = None,
@@ -80,7 +81,8 @@ def server_get(path: str, url: str | None = None, on_wait: Callable[[str], None]
     import httpx
 
     url = url or api_url()
-    patience = server_patience() if patience is None else patience
+    per_try, default_patience = server_patience()
+    patience = default_patience if patience is None else patience
     deadline = time.monotonic() + patience
     wait, said = first_wait, False
     while True:
@@ -107,9 +109,7 @@ def server_get(path: str, url: str | None = None, on_wait: Callable[[str], None]
         said = True
         if response is not None:
             time.sleep(1)
-        from prefect.settings import PREFECT_API_REQUEST_TIMEOUT
-
-        wait = float(PREFECT_API_REQUEST_TIMEOUT.value())  # later tries wait as long as one of Prefect's client's
+        wait = per_try  # later tries wait as long as one of Prefect's client's
 
 
 def check_server(on_wait: Callable[[str], None] | None = None, patience: float | None = None) -> str:
