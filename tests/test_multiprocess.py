@@ -108,6 +108,12 @@ def test_torchrun_ranks_train_on_disjoint_prompts(tmp_path, nproc):
 
     summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert summary["steps"] == steps and summary["eval_accuracy_after"] is not None
+    # rank 0 alone reports: each of the run's lines once, however many ranks print
+    reported = [line.split(":")[0] for line in result.stdout.splitlines()
+                if line.startswith(("run:", "train:", "model:", "summary:"))]
+    assert reported == ["run", "train", "model", "summary"], result.stdout
+    # a forward reaches every parameter: DDP runs without its unused-parameter search and the warning it prints
+    assert "find_unused_parameters=True was specified" not in result.stderr, result.stderr[-3000:]
 
     # one model across ranks: equal before, equal after, and training changed it
     params = rank_param_digests(digests)

@@ -187,7 +187,8 @@ def run(
             with distributed.process_group():
                 name = distributed.decide_on_main(lambda: run_name or default_run_name(cfg))
                 run_dir = distributed.decide_on_main(lambda: open_run_dir(cfg, name, resume))
-                typer.echo(f"run: {run_dir.path}")
+                if distributed.is_main_process():  # rank 0 reports, as for every later line
+                    typer.echo(f"run: {run_dir.path}")
                 from grpo.pipeline.experiment import run_experiment
 
                 summary = run_experiment(cfg, run_dir, resume=resume, log=typer.echo)

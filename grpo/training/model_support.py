@@ -13,6 +13,10 @@ The speed features are exact by construction, but each rests on something the mo
 - ``async.compact_zero_advantage`` drops zero-advantage rows from the loss forward. A MoE router's load-balancing aux
   loss (TRL adds it when the config has ``output_router_logits`` and a non-zero ``router_aux_loss_coef``) is a mean
   over every token of the micro-batch, so dropping rows changes it: the whole micro-batch runs.
+- DDP's ``find_unused_parameters`` (several processes): the search for parameters a forward left without a gradient
+  costs a traversal of the autograd graph in every backward, and where it finds none PyTorch prints a warning on every
+  rank. It is on only for a model whose forward leaves some out (:func:`parameters_left_out`); transformers' own
+  choice stands under activation checkpointing and where ``ddp_find_unused_parameters`` is set.
 - ``generation KV cache`` (``use_cache=True`` in evaluation and the CPU async generator): transformers builds the
   model's own cache class per layer (key/value, sliding window, recurrent state), so it applies to any model whose
   config has ``use_cache``; without it generation recomputes the whole sequence per token.
@@ -127,5 +131,37 @@ def applies(feature: str, model, *, router_aux_loss: bool = False) -> bool:
     return reason is None
 
 
+def parameters_left_out(model) -> list[str]:
+    """The trainable parameters of ``model`` that a one-token forward does not reach, found by walking the forward's
+    autograd graph (no backward, no gradient memory). Experts a router did not pick for that token are what a forward
+    leaves out; transformers' MoE models keep each layer's experts in one fused tensor, which every forward reaches,
+    while a model with one module per expert (remote code, older MoE classes) leaves the unpicked ones out."""
+    import torch
+
+    names = {p: name for name, p in model.named_parameters() if p.requires_grad}
+    if not names:
+        return []
+    device = next(iter(names)).device
+    training = model.training
+    model.eval()  # no dropout or router jitter: the probe draws nothing from the run's random streams
+    try:
+        with torch.enable_grad():
+            out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
+    finally:
+        model.train(training)
+    reached, seen = set(), set()
+    stack = [out.logits.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf tensor it accumulates into
+        if variable is not None:
+            reached.add(variable)
+        stack.extend(child for child, _ in node.next_functions)
+    return [name for p, name in names.items() if p not in reached]
+
+
 __all__ = ["COMPACT_ZERO_ADVANTAGE", "GENERATION_KV_CACHE", "SHARED_PROMPT_FORWARD", "applies", "backbone",
-           "causal_lm", "say_once", "unsupported"]
+           "causal_lm", "parameters_left_out", "say_once", "unsupported"]

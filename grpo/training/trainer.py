@@ -47,10 +47,11 @@ from grpo.algo.batch_layout import BatchLayout
 from grpo.algo.plan import PlanSampler
 from grpo.algo.sampling import SequenceParallelRepeatRandomSampler
 from grpo.config import ExperimentConfig
-from grpo.distributed import check_launch_matches_config
+from grpo.distributed import check_launch_matches_config, launched_world_size
 from grpo.training.async_rollouts import AsyncRollouts
 from grpo.training.chunked_loss import ChunkedLoss
 from grpo.training.episodes import EnvironmentRollouts
+from grpo.training.model_support import parameters_left_out
 from grpo.training.off_policy import OffPolicyCorrection
 from grpo.training.replay import ReplayAndReroll
 from grpo.training.reward_scoring import RewardScoring
@@ -102,6 +103,8 @@ class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndRe
         self.experiment = experiment
         self.plan_path = Path(plan_path) if plan_path is not None else None
         self._environment_trainer_kwargs(experiment, kwargs)
+        self._choose_ddp_unused_parameter_search(kwargs.get("model", args[0] if args else None),
+                                                 kwargs.get("args", args[2] if len(args) > 2 else None))
         # rollout_func (protocol text) and environment_factory (protocol chat) are how environments reach TRL here
         # (episodes.py), by design: TRL's "experimental" warning leaves the user nothing to act on (TRL is pinned, and
         # TRL_HOOKS lists what the platform builds on).
@@ -114,6 +117,26 @@ class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndRe
         self._init_async_rollouts()
         if experiment is not None:
             check_launch_matches_config(experiment, self.accelerator.num_processes)
+
+    @staticmethod
+    def _choose_ddp_unused_parameter_search(model: Any, args: Any) -> None:
+        """DDP's ``find_unused_parameters`` where the user and activation checkpointing leave it open, on several
+        processes: on only when a forward leaves parameters out (``model_support.parameters_left_out``).
+        transformers turns it on for every model, which costs a graph traversal per backward and, where nothing is
+        left out, prints a warning from every rank."""
+        if launched_world_size() <= 1 or model is None or isinstance(model, str) or args is None:
+            return
+        if args.ddp_find_unused_parameters is not None:
+            return
+        if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
+            return  # transformers turns the search off: it breaks checkpointing
+        if args.deepspeed or args.fsdp:
+            return  # not DDP
+        try:
+            left_out = parameters_left_out(model)
+        except Exception:  # noqa: BLE001 -- a model the probe cannot run keeps transformers' choice (search on)
+            return
+        args.ddp_find_unused_parameters = bool(left_out)
 
     def _record(self, name: str, value: float) -> None:
         """One value of a training metric for this logging step (TRL averages each over the step and logs it)."""
