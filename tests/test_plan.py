@@ -237,3 +237,12 @@ def test_cli_plan_bad_input_is_one_line_exit_2(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: sampling.drop_last: the training split has 3 prompts")
     assert "Traceback" not in result.stderr + result.stdout
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_plan_line_counts_in_words():
+    from grpo.pipeline.stages import plan_summary
+
+    line = {"optimizer_steps": 4, "generation_rounds": 4, "prompts_per_round": 4, "epochs": 1}
+    assert plan_summary(line) == "plan: 4 optimizer steps in 4 generation rounds of 4 prompts (1 epoch)"
+    line.update(optimizer_steps=1, generation_rounds=1, prompts_per_round=1, epochs=2)
+    assert plan_summary(line) == "plan: 1 optimizer step in 1 generation round of 1 prompt (2 epochs)"

@@ -92,8 +92,12 @@ def cached_plan(cfg: ExperimentConfig, data_dir: str | Path, content_hash: str, 
 
 def plan_summary(plan: dict[str, Any]) -> str:
     """The plan stage's console line."""
-    return (f"plan: {plan['optimizer_steps']} optimizer steps in {plan['generation_rounds']} generation rounds of "
-            f"{plan['prompts_per_round']} prompts ({plan['epochs']} epochs)")
+    def count(n: int, noun: str) -> str:
+        return f"{n} {noun}{'' if n == 1 else 's'}"
+
+    return (f"plan: {count(plan['optimizer_steps'], 'optimizer step')} in "
+            f"{count(plan['generation_rounds'], 'generation round')} of {count(plan['prompts_per_round'], 'prompt')} "
+            f"({count(plan['epochs'], 'epoch')})")
 
 
 def evaluate_model(cfg: ExperimentConfig, model: str, data_dir: str | Path, out_file: str | Path) -> dict[str, Any]:
