@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.errors import GRPOPlatformError
-from grpo.formatting import human_number
+from grpo.formatting import count, human_number
 from grpo.tracking.metric_keys import TRAIN_PREFIX, eval_before_after, is_eval_curve
 from grpo.tracking.store import mlflow_ui_url
 
@@ -466,7 +466,7 @@ def _section(div_id: str, title: str, body: str, description: str = "") -> str:
 
 def _run_count(runs: list[RunData]) -> str:
     """"3 runs", or "11 runs, 7 with training curves" when some (failed early, still starting) logged no reward."""
-    total = f"{len(runs)} run{'s' if len(runs) != 1 else ''}"
+    total = count(len(runs), "run")
     curves = sum(1 for r in runs if r.history.get("reward"))
     return total if curves == len(runs) else f"{total}, {curves} with training curves"
 

@@ -35,3 +35,8 @@ def human_number(x: Any) -> str:
         mantissa, exponent = f"{x:.2e}".split("e")
         return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
     return text
+
+
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless one: ``count(1, "epoch")`` is ``1 epoch``, ``count(3, "run")`` ``3 runs``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"

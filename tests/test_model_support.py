@@ -4,6 +4,7 @@ trainer sees, and a fallback said once per model, feature and reason."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -77,8 +78,6 @@ class TopOneExperts(torch.nn.Module):
 
     def __init__(self, mlp: torch.nn.Module, hidden: int, count: int = 4) -> None:
         super().__init__()
-        import copy
-
         self.router = torch.nn.Linear(hidden, count, bias=False)
         self.experts = torch.nn.ModuleList(copy.deepcopy(mlp) for _ in range(count))
 

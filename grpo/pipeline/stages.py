@@ -19,6 +19,7 @@ from grpo.algo.plan import prompt_token_lengths
 from grpo.config import ExperimentConfig
 from grpo.environments import routable_environments
 from grpo.environments.chat import config_chat_tools
+from grpo.formatting import count
 from grpo.paths import locked
 from grpo.pipeline.cache_dirs import plan_dir_for, prep_dir_for
 from grpo.pipeline.plans import build_plan
@@ -92,9 +93,6 @@ def cached_plan(cfg: ExperimentConfig, data_dir: str | Path, content_hash: str, 
 
 def plan_summary(plan: dict[str, Any]) -> str:
     """The plan stage's console line."""
-    def count(n: int, noun: str) -> str:
-        return f"{n} {noun}{'' if n == 1 else 's'}"
-
     return (f"plan: {count(plan['optimizer_steps'], 'optimizer step')} in "
             f"{count(plan['generation_rounds'], 'generation round')} of {count(plan['prompts_per_round'], 'prompt')} "
             f"({count(plan['epochs'], 'epoch')})")

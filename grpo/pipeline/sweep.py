@@ -71,6 +71,7 @@ from typing import Any, NamedTuple, Protocol
 
 from grpo.config import ExperimentConfig, to_yaml
 from grpo.errors import GRPOPlatformError, RunDirectoryError
+from grpo.formatting import count
 from grpo.pipeline import stages
 from grpo.pipeline.cache_dirs import plan_dir_for
 from grpo.pipeline.run_context import RunContext
@@ -616,9 +617,8 @@ def param_importances(study) -> dict[str, Any]:
     params = sorted({p for t in complete for p in t.params})
     out = {"study": study.study_name, "completed_trials": len(complete), "importances": None, "note": None}
     if len(complete) < 2 or len(params) < 2:
-        out["note"] = (f"importances need at least 2 completed trials and 2 params; the study has {len(complete)} "
-                       f"completed trial{'s' if len(complete) != 1 else ''} over {len(params)} "
-                       f"param{'s' if len(params) != 1 else ''}")
+        out["note"] = ("importances need at least 2 completed trials and 2 params; the study has "
+                       f"{count(len(complete), 'completed trial')} over {count(len(params), 'param')}")
         return out
     try:
         imp = optuna.importance.get_param_importances(
