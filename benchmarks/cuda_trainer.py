@@ -3,7 +3,7 @@ model -- stock ``trl.GRPOTrainer`` against ours, sync against async, single-turn
 
 The CPU benchmarks (``trl_parity``, ``async_overlap``) time a 0.5M-parameter model; this one times the same code paths
 where they are meant to run, so that the speed features, the async producer and the episode loop have GPU figures.
-Six variants, one after the other in one invocation, each in its own process (its own CUDA context: its timings and
+Eight variants, one after the other in one invocation, each in its own process (its own CUDA context: its timings and
 peak memory are its own):
 
 - ``trl``: stock ``trl.GRPOTrainer`` (transformers' generate, no vLLM), built as ``trl_parity`` builds it;
@@ -14,6 +14,10 @@ peak memory are its own):
 - ``env_sync``: ``ours`` on multi-turn episodes of the built-in ``guess_digit`` environment (``tiny-guess-digit``
   preset, reward ``env_reward``), the episode runner in the trainer sampling with the policy on the GPU; each turn
   samples the episode's whole remaining budget, then is cut at its stop string;
+- ``trl_sparse`` / ``ours_sparse``: ``trl`` / ``ours`` with a sparse reward (``bench_sparse_digit_share``): the
+  groups of one prompt in four score 1 for every completion and of another in four 0, as groups that are all right or
+  all wrong do on real maths data, the rest the dense digit share. Their advantages are zero, so the ratio shows what
+  zero-advantage compaction saves where it applies;
 - ``ours_async`` / ``env_async``: ``ours`` / ``env_sync`` plus ``async.use_data_producer``, prefetch 1,
   ``max_staleness`` 1 and the IS correction (``async_overlap``'s settings). Without vLLM the rollout engine is
   ``cpu_process`` (``grpo.training.async_producer.AsyncRolloutProducer``): a generator process that loads the policy
@@ -30,23 +34,24 @@ and the work per step is the same for every variant. The single-turn reward is t
 without its savings. In ``guess_digit`` every digit ends a turn: an episode is up to four turns of ~8 tokens.
 
 Reported per variant: ``step_s`` (median optimizer-step wall time, the first ``BENCH_SKIP`` steps skipped),
-``completion_tokens_per_s`` (sampled tokens per step -- TRL's ``completions/mean_length`` times the completions --
-over ``step_s``), ``peak_cuda_gib`` (``torch.cuda.max_memory_allocated``), ``wall_s`` (the process, start-up
-included); then ``ratio_step_ours_over_trl`` (split into ``ratio_step_ours_over_features_off`` and
-``ratio_step_features_off_over_trl``), ``ratio_step_async_over_sync`` and ``ratio_step_env_async_over_sync``
-(below 1: the first is faster), and ``c_compiler`` (Triton, which TRL's fused LM head runs on CUDA, builds its
-launcher with it). A variant that fails or outlives its time is reported with its ``error`` and the steps it
-finished, and the others still run. The JSON is printed as the last line and, with ``BENCH_OUT`` (or ``python -m
-benchmarks.cuda_trainer --out FILE``), also written to that file.
+``completion_tokens_per_s`` (sampled tokens per step -- TRL's ``completions/mean_length`` times the completions -- over
+``step_s``), ``peak_cuda_gib`` (``torch.cuda.max_memory_allocated``), ``wall_s`` (the process, start-up included); then
+``ratio_step_ours_over_trl`` (split into ``ratio_step_ours_over_features_off`` and
+``ratio_step_features_off_over_trl``), ``ratio_step_sparse_ours_over_trl``, ``ratio_step_async_over_sync`` and
+``ratio_step_env_async_over_sync`` (below 1: the first is faster), and ``c_compiler`` (Triton, which TRL's fused LM head
+runs on CUDA, builds its launcher with it). A variant that fails or outlives its time is reported with its ``error`` and
+the steps it finished, and the others still run. The JSON is printed as the last line and, with ``BENCH_OUT`` (or
+``python -m benchmarks.cuda_trainer --out FILE``), also written to that file.
 
-Environment (default / ``--smoke``): BENCH_STEPS (8 / 2) optimizer steps of the sync variants, BENCH_ASYNC_STEPS
-(4 / 2) of the async ones, BENCH_SKIP (2 / 0), BENCH_PROMPTS (8 / 2) x BENCH_GENERATIONS (4 / 2) completions per
-step, BENCH_COMPLETION_LENGTH (128 / 8) tokens, BENCH_ENV_COMPLETION_LENGTH (48 / 12) tokens per episode,
-BENCH_VARIANTS (all, comma-separated), BENCH_ISOLATE (1 / 0: each variant in its own process, or all in this one),
-BENCH_VARIANT_TIMEOUT_S (180) and BENCH_TOTAL_TIMEOUT_S (450: variants not started by then are reported as not run)
-seconds, both for isolated variants. About 5-6 minutes on one H100, 7.5 at most. Without CUDA it stops at once (exit
-2, one line). ``--smoke`` runs the same code on the CPU in fp32 with a 2-layer model of hidden size 64 (vocabulary
-512), the variants in this process: seconds, and figures that say nothing.
+Environment (default / ``--smoke``): BENCH_STEPS (8 / 2) optimizer steps of the sync variants, BENCH_ASYNC_STEPS (4 / 2)
+of the async ones, BENCH_SKIP (2 / 0), BENCH_PROMPTS (8 / 2) x BENCH_GENERATIONS (4 / 2) completions per step,
+BENCH_COMPLETION_LENGTH (128 / 8) tokens, BENCH_ENV_COMPLETION_LENGTH (48 / 12) tokens per episode, BENCH_VARIANTS (all,
+comma-separated), BENCH_ISOLATE (1 / 0: each variant in its own process, or all in this one), BENCH_VARIANT_TIMEOUT_S
+(180) and BENCH_TOTAL_TIMEOUT_S (450: variants not started by then are reported as not run) seconds, both for isolated
+variants. About 5-6 minutes on one H100 before the sparse variants, 7.5 at most; ``--quick`` (:data:`QUICK`) fits in 8
+minutes with start-up, for a GPU lent by the minute. Without CUDA it stops at once (exit 2, one line). ``--smoke`` runs
+the same code on the CPU in fp32 with a 2-layer model of hidden size 64 (vocabulary 512), the variants in this process:
+seconds, and figures that say nothing.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ import sys
 import tempfile
 import time
 import traceback
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,11 +88,14 @@ SMOKE_MODEL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads":
 ALPHABET = string.digits + string.ascii_letters + string.punctuation + " "
 DIGIT_EVERY = 8  # one filler word in eight ends in a digit: guess_digit's turns end there
 REWARD = "bench_digit_share"
+SPARSE_REWARD = "bench_sparse_digit_share"
 # name: (preset, extra overrides), in the order they run: the GPU-bound ones first, the CPU generator's last.
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "trl": ("tiny", []),
     "ours": ("tiny", []),
     "ours_features_off": ("tiny", ["async.shared_prompt_forward=false", "async.compact_zero_advantage=false"]),
+    "trl_sparse": ("tiny", [f"grpo.reward_funcs=[{SPARSE_REWARD}]"]),
+    "ours_sparse": ("tiny", [f"grpo.reward_funcs=[{SPARSE_REWARD}]"]),
     "env_sync": ("tiny-guess-digit", []),
     "ours_async": ("tiny", ASYNC),
     "env_async": ("tiny-guess-digit", ASYNC),
@@ -94,8 +103,16 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
 RATIOS = {"ratio_step_ours_over_trl": ("ours", "trl"),
           "ratio_step_ours_over_features_off": ("ours", "ours_features_off"),
           "ratio_step_features_off_over_trl": ("ours_features_off", "trl"),
+          "ratio_step_sparse_ours_over_trl": ("ours_sparse", "trl_sparse"),
           "ratio_step_async_over_sync": ("ours_async", "ours"),
           "ratio_step_env_async_over_sync": ("env_async", "env_sync")}
+
+
+QUICK = {"BENCH_VARIANTS": "trl,ours,ours_features_off,trl_sparse,ours_sparse,env_sync", "BENCH_STEPS": "6",
+         "BENCH_SKIP": "2", "BENCH_VARIANT_TIMEOUT_S": "100", "BENCH_TOTAL_TIMEOUT_S": "390"}
+"""``--quick``: the sync variants that answer "ours against TRL" (dense and sparse reward, features off, one
+environment), fewer steps, and time-outs that end the whole run within 8 minutes with start-up (the model build and
+every variant's own start included); a ``BENCH_*`` variable set by hand still wins."""
 
 
 def sizes(smoke: bool) -> dict[str, Any]:
@@ -125,11 +142,22 @@ def digit_share(completions: list[str], **kwargs: Any) -> list[float]:
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
+def sparse_digit_share(completions: list[str], prompts: list[Any], **kwargs: Any) -> list[float]:
+    """:func:`digit_share`, except for the groups of one prompt in four (1 for every completion) and of another in
+    four (0): a prompt's text decides, so every completion of a group gets the same."""
+    def kind(prompt: Any) -> int:
+        return zlib.crc32(str(prompt).encode()) % 4
+
+    return [1.0 if kind(p) == 0 else 0.0 if kind(p) == 1 else share
+            for p, share in zip(prompts, digit_share(completions))]
+
+
 def register_bench_reward() -> None:
     from grpo.rewards import available_rewards, register_reward
 
-    if REWARD not in available_rewards():
-        register_reward(REWARD)(digit_share)
+    for name, func in ((REWARD, digit_share), (SPARSE_REWARD, sparse_digit_share)):
+        if name not in available_rewards():
+            register_reward(name)(func)
 
 
 def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -181,7 +209,7 @@ def overrides(name: str, s: dict[str, Any], work: Path, cuda: bool) -> list[str]
     checkpoints or warm start."""
     env = name.startswith("env_")
     steps = s["async_steps"] if name.endswith("async") else s["steps"]
-    reward = [] if env else [f"grpo.reward_funcs=[{REWARD}]"]
+    reward = [] if env or name.endswith("_sparse") else [f"grpo.reward_funcs=[{REWARD}]"]
     precision = ["model.dtype=bfloat16", "grpo.bf16=true", "model.attn_implementation=sdpa"] if cuda else []
     return [f"output_dir={work / 'runs'}", f"model.name_or_path={work / 'model'}", "model.warm_start.steps=0",
             f"grpo.max_steps={steps}", "grpo.logging_steps=1", f"grpo.save_steps={steps * 10}",
@@ -240,7 +268,7 @@ def run_variant(name: str, work: Path, smoke: bool) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()  # this variant's peak, also when the variants share a process
     log = lambda line: print(f"cuda_trainer {name}: {line}", file=sys.stderr, flush=True)  # noqa: E731
-    if name == "trl":
+    if name.startswith("trl"):
         import trl
 
         from benchmarks.trl_parity import build_trainer
@@ -360,6 +388,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m benchmarks.cuda_trainer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--quick", action="store_true", help="the sync variants in under 8 minutes (QUICK)")
     p.add_argument("--out", help="also write the JSON to this file (BENCH_OUT)")
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one variant in this process
     p.add_argument("--work", help=argparse.SUPPRESS)
@@ -374,4 +403,7 @@ if __name__ == "__main__":
 
         if a.out:
             os.environ["BENCH_OUT"] = a.out
+        if a.quick:
+            for key, value in QUICK.items():
+                os.environ.setdefault(key, value)
         sys.exit(run_benchmark(["cuda_trainer", *(["--smoke"] if a.smoke else [])]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -62,7 +63,8 @@ def _cuda_trainer(r: dict) -> None:
     # smoke: the same code on the CPU in fp32, a 2-layer model, every variant in the benchmark's process
     assert (r["device"], r["dtype"], r["steps"], r["async_steps"], r["skip"]) == ("cpu", "float32", 2, 2, 0), r
     assert r["model"]["vocab_size"] == 512 and r["completions_per_step"] == 4
-    assert set(r["variants"]) == {"trl", "ours", "ours_features_off", "env_sync", "ours_async", "env_async"}
+    assert set(r["variants"]) == {"trl", "ours", "ours_features_off", "trl_sparse", "ours_sparse", "env_sync",
+                                  "ours_async", "env_async"}
     for name, v in r["variants"].items():
         assert v["error"] is None and v["steps_done"] == 2, (name, v)
         assert _finite(v["step_s"], 1e-6) and _finite(v["completion_tokens_per_s"], 1e-6), (name, v)
@@ -70,7 +72,7 @@ def _cuda_trainer(r: dict) -> None:
     for name in ("trl", "ours", "ours_async"):
         assert 0 < r["variants"][name]["completion_mean_length"] <= r["completion_length"], r["variants"][name]
     for key in ("ratio_step_ours_over_trl", "ratio_step_ours_over_features_off", "ratio_step_features_off_over_trl",
-                "ratio_step_async_over_sync", "ratio_step_env_async_over_sync"):
+                "ratio_step_sparse_ours_over_trl", "ratio_step_async_over_sync", "ratio_step_env_async_over_sync"):
         assert _finite(r[key], 1e-6), (key, r[key])
 
 
@@ -110,6 +112,23 @@ def _tracking_overhead(r: dict) -> None:
     assert _finite(p["prefect_pipeline_s"], 0) and _finite(p["direct_run_experiment_s"], 0)
 
 
+def _step_overhead(r: dict) -> None:
+    assert r["model"] == "tiny, 1 layer, hidden 16" and r["threads"] == 1 and r["completions_per_step"] == 16, r
+    for key in ("ratio_step_features_off_over_trl", "ratio_step_ours_over_trl", "ratio_cpu_features_off_over_trl",
+                "ratio_cpu_ours_over_trl"):
+        assert _finite(r[key], 1e-6), (key, r[key])
+    for name in ("trl", "ours_features_off", "ours"):
+        syncs = r["syncs"][name]
+        # every step reads values on the host (TRL's own metrics), and the counts say where from
+        assert syncs["syncs_per_step"] == r[f"{name}_syncs_per_step"] > 0, syncs
+        assert sum(syncs["syncs_by_kind_per_step"].values()) == pytest.approx(syncs["syncs_per_step"], abs=0.05)
+        assert 0 < len(syncs["syncs_top_origins_per_step"]) <= 10
+        assert all(re.fullmatch(r".+\.py:\d+", origin) for origin in syncs["syncs_top_origins_per_step"]), syncs
+    # ours go through our trainer's files, TRL's never do
+    assert any(o.startswith("grpo/") for o in r["syncs"]["ours"]["syncs_top_origins_per_step"])
+    assert not any(o.startswith("grpo/") for o in r["syncs"]["trl"]["syncs_top_origins_per_step"])
+
+
 def _trl_parity(r: dict) -> None:
     assert _finite(r["ratio_ours_over_trl"], 1e-6), r["ratio_ours_over_trl"]
     assert _finite(r["ours_final_mean_reward"], 0, 1) and _finite(r["trl_final_mean_reward"], 0, 1)
@@ -145,6 +164,7 @@ CHECKS: dict[str, Callable[[dict], None]] = {
     "env_concurrency": _env_concurrency,
     "plan": _plan,
     "reward_pool": _reward_pool,
+    "step_overhead": _step_overhead,
     "tracking_overhead": _tracking_overhead,
     "time_to_accuracy": _time_to_accuracy,
     "trl_parity": _trl_parity,

@@ -256,6 +256,19 @@ def test_compaction_composes_with_token_budget_weights(shared, loss_type, chunks
     assert rel < REL, rel
 
 
+def test_the_rows_are_found_without_waiting_for_the_device_once_counted():
+    """With the count of rows with signal known on the host (the micro-step's one wait), picking the rows waits for
+    nothing: on CUDA each ``int(t)`` or ``nonzero`` drains the stream (counted here on the CPU, see
+    benchmarks/_syncs.py; the old selection waited three times)."""
+    from benchmarks._syncs import SyncCounter
+
+    advantages = torch.tensor([0.0, 1.0, 0.0, -2.0, 0.0, 0.5])
+    with SyncCounter() as counter:
+        keep = rows_to_keep(advantages, 5, signal_rows=3)
+    assert keep.tolist() == [0, 1, 2, 3, 5]
+    assert counter.total == 0, counter.by_origin
+
+
 def test_row_selection_and_normaliser_shares():
     advantages = torch.tensor([0.0, 1.0, 0.0, -2.0, 0.0])
     assert rows_to_keep(advantages, 1).tolist() == [1, 3]
@@ -263,6 +276,9 @@ def test_row_selection_and_normaliser_shares():
     assert rows_to_keep(torch.zeros(3), 2).tolist() == [0, 1]
     assert rows_to_keep(torch.zeros(2), 5).tolist() == [0, 1]
     assert rows_to_keep(torch.tensor([[0.0, 0.0], [0.0, 3.0], [float("nan"), 0.0]]), 1).tolist() == [1, 2]
+    # the caller's count of rows with signal gives the same rows
+    for min_rows in range(7):
+        assert rows_to_keep(advantages, min_rows, signal_rows=2).tolist() == rows_to_keep(advantages, min_rows).tolist()
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0], [1, 0, 0]])
     keep = torch.tensor([1, 3])
     for loss_type in ("grpo", "sapo", "dr_grpo", "luspo"):

@@ -51,16 +51,20 @@ def rows_with_signal(advantages: torch.Tensor) -> torch.Tensor:
     return nonzero.reshape(nonzero.shape[0], -1).any(dim=1)
 
 
-def rows_to_keep(advantages: torch.Tensor, min_rows: int) -> torch.Tensor:
+def rows_to_keep(advantages: torch.Tensor, min_rows: int, signal_rows: int | None = None) -> torch.Tensor:
     """Indices (ascending) of the rows with signal, topped up with the first zero-advantage rows to ``min_rows``
     (capped at the batch size): a zero-advantage row adds exactly zero, and the top-up keeps the number of loss calls
-    and their row counts (and so TRL's metric collectives) the same on every rank."""
+    and their row counts (and so TRL's metric collectives) the same on every rank.
+
+    ``signal_rows`` is the count of rows with signal when the caller has it. The index's length is then known on the
+    host, so the rows are found with ``nonzero_static`` and the device is not waited for; without it, counting them
+    is the one wait."""
     signal = rows_with_signal(advantages)
-    missing = min(min_rows, signal.numel()) - int(signal.sum())
-    if missing > 0:
-        signal = signal.clone()
-        signal[(~signal).nonzero().flatten()[:missing]] = True
-    return signal.nonzero().flatten()
+    count = int(signal.sum()) if signal_rows is None else signal_rows
+    size = max(count, min(min_rows, signal.numel()))
+    if size > count:  # the first (size - count) zero-advantage rows join, in order
+        signal = signal | (torch.cumsum(~signal, 0) <= size - count)
+    return torch.nonzero_static(signal, size=size).flatten()
 
 
 def normaliser_share(loss_type: str, mask: torch.Tensor, keep: torch.Tensor) -> float | None:
@@ -194,8 +198,9 @@ class ZeroAdvantageSkip:
         reason = self._compaction_fallback_reason(inputs)
         keep = None
         if reason is None:
-            signal = self._rows_with_signal_everywhere(int(rows_with_signal(inputs["advantages"]).sum()))
-            keep = rows_to_keep(inputs["advantages"], max(signal, min(n, max(chunks, 1))))
+            local = int(rows_with_signal(inputs["advantages"]).sum())  # the micro-step's one wait for the device
+            signal = self._rows_with_signal_everywhere(local)
+            keep = rows_to_keep(inputs["advantages"], max(signal, min(n, max(chunks, 1))), signal_rows=local)
         if keep is not None and len(keep) < n:
             mask = inputs["completion_mask"]
             if "tool_mask" in inputs:  # TRL's loss mask: tool-call tokens do not count
