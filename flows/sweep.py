@@ -34,7 +34,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.pipeline import _flow_run_info, grpo_pipeline, mlflow_run_url
+from flows.pipeline import _flow_run_info, _ui_url, grpo_pipeline, mlflow_run_url
 from flows.run_form import UNSET, PresetChoice, WholeConfig, given
 from flows.stages import plan_flow, prep_flow
 from flows.sweep_form import (
@@ -51,6 +51,7 @@ from flows.sweep_form import (
     UseDeploymentField,
 )
 from grpo.config import ExperimentConfig, resolve_config
+from grpo.formatting import human_metric, human_number
 from grpo.pipeline.confine import check_config_paths
 from grpo.pipeline.run_context import RunContext
 
@@ -207,11 +208,13 @@ def results_markdown(result: dict[str, Any]) -> str:
              f"{study['n_trials']} trials in all ({', '.join(f'{v} {k}' for k, v in study['states'].items())})",
              f"- metric: `{result['metric']}` ({result['direction']})"]
     if best is not None:
+        params = ", ".join(f"{k}={human_number(v)}" for k, v in best["overrides"].items())
         lines.append(f"- best of the study: trial {best['trial']} `{best['run_name']}` = "
-                     f"**{best['metric_value']:.4g}** ({', '.join(f'{k}={v}' for k, v in best['overrides'].items())})")
+                     f"**{human_metric(best['metric_value'])}** ({params})")
     if registered is not None:
+        alias = f"alias `{registered['alias']}`" if registered.get("alias") else registered.get("note")
         lines.append(f"- registered: `{registered['name']}` version {registered['version']} "
-                     f"(alias `{registered['alias']}`{', unchanged' if registered.get('unchanged') else ''})")
+                     f"({alias}{', unchanged' if registered.get('unchanged') else ''})")
     imp = study.get("importances") or {}
     if imp.get("importances"):
         lines.append("- importances: " + ", ".join(f"`{k}` {v:.2f}" for k, v in imp["importances"].items()))
@@ -245,9 +248,11 @@ def grpo_sweep(
     """
     from prefect.runtime import deployment as runtime_deployment
 
-    from grpo.pipeline.sweep import InProcessTrials, default_sweep_name, run_sweep
+    from grpo.console import quiet_library_noise
+    from grpo.pipeline.sweep import PROGRESS, InProcessTrials, default_sweep_name, run_sweep
     from grpo.tracking.sweep_runs import MlflowTrialRuns
 
+    quiet_library_noise()  # as the pipeline flow: a served sweep's process loads the model before any trial does
     max_steps, deployment = given(max_steps), given(use_deployment)
     # every trial starts from the preset or this config, trained for max_steps when given (a space that varies
     # grpo.max_steps still sets each trial's own)
@@ -258,6 +263,8 @@ def grpo_sweep(
     flow_run_id, _, _ = _flow_run_info()
     if flow_run_id is not None:
         context.flow_runs.append(flow_run_id)  # `grpo sweep` cancels it, with its trials', on Ctrl-C / SIGTERM
+    if _ui_url(flow_run_id):  # for a console showing only the sweep's lines (Prefect's "View at" is not one)
+        get_run_logger().info(f"prefect flow run: {_ui_url(flow_run_id)}", extra={**PROGRESS, "send_to_api": False})
     trials = (DeploymentTrials(deployment, given(trial_timeout)) if deployment
               else InProcessTrials(_pipeline_subflow, prefect_inputs()))
     return run_sweep(config, space, trials, name=name, study_name=given(study_name),

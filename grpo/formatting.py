@@ -1,4 +1,5 @@
-"""Numbers as people write them, for every table a person reads (the comparison dashboard, the run form).
+"""Numbers as people write them, for every table a person reads (the comparison dashboard, the run form, a sweep's
+lines).
 
 Python's ``str`` of a float sampled on a log scale reads ``0.0002612293709960431``; a person writes ``2.61e-4``.
 """
@@ -35,6 +36,18 @@ def human_number(x: Any) -> str:
         mantissa, exponent = f"{x:.2e}".split("e")
         return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
     return text
+
+
+def human_metric(x: Any) -> str:
+    """A metric's value as the CLI prints a run's accuracy: 3 decimals (``0.848``, ``12.300``, ``0.000``), in
+    :func:`human_number`'s short scientific notation where 3 decimals would show no significant digit or the number is
+    large (``2.61e-4``, ``1.5e6``); ``-`` for None (no value), anything else not a real number as ``str(x)``."""
+    if x is None:
+        return "-"
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(float(x)):
+        return str(x)
+    x = float(x)
+    return human_number(x) if x != 0 and (abs(x) < _SMALL or abs(x) >= _LARGE) else f"{x:.3f}"
 
 
 def count(n: int, noun: str) -> str:

@@ -5,6 +5,7 @@ on the micro model, continued by a second invocation; trials as deployment runs;
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -330,10 +331,136 @@ def test_the_shipped_example_spaces_validate():
     assert all(1e-5 <= d["grpo.learning_rate"] <= 1e-3 for d in _draws(tpe, 3))
 
 
+def test_the_sweep_forms_default_space_is_written_as_its_help_documents():
+    """#44.7: the sweep form's default space (grpo serve's and the nightly deployment's) was the legacy ``{"grid":
+    ...}`` while the field's help documents ``sampler`` / ``params``."""
+    from flows.sweep_form import SpaceField
+    from grpo.app.serve import SWEEP_PARAMETERS
+    from grpo.pipeline.sweep_space import normalize_space
+
+    space = SWEEP_PARAMETERS["space"]
+    assert set(space) == {"sampler", "params"} and space["sampler"] == "grid", space
+    assert '{"sampler": "grid", "params": {' in SpaceField.__metadata__[0].json_schema["description"]  # the help
+    assert normalize_space(space)["params"] == space["params"]
+
+
+def test_a_trials_line_writes_its_numbers_as_a_person_does():
+    """#44.6: the trial and best lines read ``grpo.learning_rate=0.0001``, ``5e-05`` and ``=0.8480``: params as the
+    comparison dashboard writes them (grpo.formatting.human_number), metrics with 3 decimals (human_metric)."""
+    from grpo.formatting import human_metric
+    from grpo.pipeline.sweep import TrialResult
+
+    assert [human_metric(x) for x in (0.848, 0.84812, 0.0, 12.3, 2.612e-4, 1.5e6, None)] == [
+        "0.848", "0.848", "0.000", "12.300", "2.61e-4", "1.5e6", "-"]
+    row = dict(trial=3, run_name="lr-t003", status="completed", metric="eval_accuracy_after", pruned_at_step=None,
+               study_state="complete", mlflow_run_id=None, prefect_flow_run_id=None, wall_seconds=1.0, run_dir="d",
+               error=None)
+    line = TrialResult(overrides={"grpo.learning_rate": 1e-4, "grpo.beta": 0.0}, metric_value=0.848, **row).line()
+    assert line.split() == ["lr-t003", "completed", "eval_accuracy_after=0.848", "grpo.learning_rate=1e-4,",
+                            "grpo.beta=0"]
+    pruned = TrialResult(**{**row, "status": "pruned", "pruned_at_step": 2},
+                         overrides={"grpo.learning_rate": 5e-05}, metric_value=None).line()
+    assert pruned.endswith("eval_accuracy_after=-  grpo.learning_rate=5e-5 (pruned at step 2)")
+
+
+def _one_point_sweep(tmp_path: Path, mlflow_uri: str | None, name: str, steps: int, **kw) -> dict:
+    """A sweep of a one-point grid over grpo.max_steps, judged by the trial's ``steps``: its value is ``steps``, so a
+    test decides which sweep is better. Prefect-free (the sweep itself), its registry the real MLflow one."""
+    from grpo.pipeline.sweep import InProcessTrials, run_sweep
+    from grpo.tracking.sweep_runs import MlflowTrialRuns
+
+    tracking = {"tracking.backend": "mlflow", "tracking.tracking_uri": mlflow_uri,
+                "tracking.experiment_name": "sweep-best-alias", "tracking.log_system_metrics": "false"} \
+        if mlflow_uri else {}
+    cfg = load_config(MICRO, micro_overrides(tmp_path, **{"name": f"alias-{tmp_path.name}", "grpo.save_steps": 100,
+                                                          "evaluation.enabled": "false", **tracking}))
+    return run_sweep(cfg, {"sampler": "grid", "params": {"grpo.max_steps": [steps]}}, InProcessTrials(), name=name,
+                     metric="steps", trial_runs=MlflowTrialRuns, **kw)
+
+
+@pytest.mark.integration
+def test_the_best_alias_never_moves_to_a_worse_model(tmp_path, mlflow_server):
+    """#44.2: every sweep of a config registers into one model, and a second study's best (worse than the first's)
+    took the alias ``best`` from it. Now ``best`` moves only to a version that beats the one it names on the same
+    metric and direction; a worse one, or one judged by another direction, is registered and the alias stays, saying
+    so; a better one gets it. Each study's own best is ``study-<study>``."""
+    client = MlflowClient(mlflow_server.uri)
+    model = f"alias-{tmp_path.name}-grpo"
+
+    first = _one_point_sweep(tmp_path, mlflow_server.uri, "s3", 3)
+    assert (first["registered_model"]["version"], first["registered_model"]["alias"]) == ("1", "best")
+
+    worse = _one_point_sweep(tmp_path, mlflow_server.uri, "s2", 2)  # a new study, a worse best: 2 steps < 3
+    assert client.get_model_version_by_alias(model, "best").version == "1"
+    reg = worse["registered_model"]
+    assert (reg["version"], reg["alias"], reg["best_version"]) == ("2", None, "1"), reg
+    assert reg["note"] == "alias best stays on version 1: its steps 3.000 is not beaten by version 2's 2.000 (maximize)"
+    v2 = client.get_model_version(model, "2")
+    assert v2.run_id == worse["best"]["mlflow_run_id"]
+    assert {k: v2.tags[k] for k in ("grpo.sweep.metric", "grpo.sweep.direction", "grpo.sweep.metric_value")} == {
+        "grpo.sweep.metric": "steps", "grpo.sweep.direction": "maximize", "grpo.sweep.metric_value": "2.0"}
+    assert client.get_model_version_by_alias(model, "study-s2").version == "2"  # the study's own best
+
+    other = _one_point_sweep(tmp_path, mlflow_server.uri, "s4min", 4, direction="minimize")  # another direction
+    assert client.get_model_version_by_alias(model, "best").version == "1"
+    reg = other["registered_model"]
+    assert (reg["version"], reg["alias"]) == ("3", None)
+    assert reg["note"].startswith("alias best stays on version 1: it was judged by steps (maximize), version 3 by "
+                                  "steps (minimize)")
+
+    better = _one_point_sweep(tmp_path, mlflow_server.uri, "s4", 4)
+    reg = better["registered_model"]
+    assert (reg["version"], reg["alias"], reg["note"]) == ("4", "best", None)
+    assert client.get_model_version_by_alias(model, "best").run_id == better["best"]["mlflow_run_id"]
+    assert client.get_model_version_by_alias(model, "study-s3").version == "1"
+
+
+def test_a_continued_grid_runs_only_the_points_its_study_lacks(tmp_path, caplog):
+    """#44.7: a grid sweep continuing a study ran every point again (the same trials, the same results). Now it runs
+    the points the study has no completed trial of, saying how many it has; with none left it ends cleanly with the
+    study's best. The study's state is forced: one point told complete before the sweep."""
+    import logging
+
+    from grpo.pipeline.sweep import default_storage, open_study
+    from grpo.pipeline.sweep_space import validate_space
+
+    cfg = load_config(MICRO, micro_overrides(tmp_path, **{"grpo.max_steps": 2, "grpo.save_steps": 100,
+                                                          "evaluation.enabled": "false"}))
+    space = {"sampler": "grid", "params": {"grpo.learning_rate": [1e-4, 3e-4]}}
+    checked = validate_space(cfg, space)
+    study = open_study("lr", default_storage(cfg), checked, "reward_last", "maximize")
+    study.enqueue_trial({"grpo.learning_rate": 1e-4})
+    done = study.ask()
+    checked.suggest(done)
+    study.tell(done, -1.0)  # below any reward: the sweep's own trial is the best
+
+    log = logging.getLogger("test-sweep-grid")
+    with caplog.at_level(logging.INFO, logger=log.name):
+        first = _one_study_sweep(cfg, space, "g1", log)
+    assert "grid: 1 of 2 points already in study lr; running the 1 missing point" in caplog.messages
+    assert [(r["trial"], r["status"], r["grpo.learning_rate"]) for r in first["trials"]] == [(1, "completed", 3e-4)]
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=log.name):
+        second = _one_study_sweep(cfg, space, "g2", log)
+    assert "grid: 2 of 2 points already in study lr; nothing to run" in caplog.messages
+    assert second["trials"] == [] and second["study"]["n_trials"] == 2
+    assert second["best"]["trial"] == 1 and second["best"]["metric_value"] == first["trials"][0]["metric_value"]
+
+
+def _one_study_sweep(cfg, space: dict, name: str, log) -> dict:
+    from grpo.pipeline.sweep import InProcessTrials, run_sweep
+
+    return run_sweep(cfg, space, InProcessTrials(), name=name, study_name="lr", metric="reward_last", log=log)
+
+
 @pytest.mark.integration
 def test_cli_sweep_prints_the_parent_run_and_the_dashboard(tmp_path, prefect_server, mlflow_server):
-    """#15: the console named neither the parent MLflow run (what `grpo dashboard --sweep` needs) nor the dashboard."""
-    (tmp_path / "space.yaml").write_text("grid:\n  grpo.learning_rate: [1.0e-4, 3.0e-4]\n")
+    """#15: the console named neither the parent MLflow run (what `grpo dashboard --sweep` needs) nor the dashboard.
+    #44.6: it printed every trial's stage lines and Prefect's, Optuna's and MLflow's own (151 lines for 4 trials), and
+    its numbers as Python prints them (0.0001, 5e-05, 0.8480): now one line per trial as it ends, then the summary.
+    #44.7: the same grid again on the same study has nothing to run, and says so."""
+    (tmp_path / "space.yaml").write_text("sampler: grid\nparams:\n  grpo.learning_rate: [1.0e-4, 3.0e-4]\n")
     sets = [f"output_dir={tmp_path / 'runs'}", "tracking.backend=mlflow", "grpo.max_steps=2", "grpo.save_steps=100",
             "evaluation.enabled=false", f"tracking.tracking_uri={mlflow_server.uri}",
             "tracking.experiment_name=cli-sweep", "tracking.log_system_metrics=false"]
@@ -349,6 +476,19 @@ def test_cli_sweep_prints_the_parent_run_and_the_dashboard(tmp_path, prefect_ser
     out = result.stdout
     for bar in ("Loading weights", "Writing model shards", "Downloading artifacts", "Uploading artifacts", "it/s]"):
         assert bar not in out + result.stderr, bar  # library progress bars (grpo.console)
+    printed = (out + result.stderr).splitlines()
+    # the start, the Prefect link, a line per trial, the study, the best, the registered version, the parent run, the
+    # dashboard, the sweep's directory
+    assert len(printed) <= 8 + 2, "\n".join(printed)
+    for noise in ("View at", "Beginning", "Finished in state", "Trial 0 finished", "A new study created",
+                  "Registered model", "Successfully registered", "Created version", "Waiting up to"):
+        assert noise not in out + result.stderr, noise
+    trial_lines = [line for line in printed if line.startswith("  lr-t")]
+    assert len(trial_lines) == 2, printed
+    for line in trial_lines:  # the learning rates as the dashboard writes them, the metric with 3 decimals
+        assert re.fullmatch(r"  lr-t00[01] +completed +wall_seconds=\d+\.\d{3}  grpo\.learning_rate=[13]e-4",
+                            line), line
+    assert re.search(r"^best: lr-t00[01] \(wall_seconds=\d+\.\d{3}\)$", out, re.M), out
     assert f"mlflow parent run: {parent} (compare again: grpo dashboard --experiment cli-sweep --sweep {parent}" in out
     assert (f"dashboard: {tmp_path / 'runs' / 'lr' / 'dashboard.html'} (comparison, logged to MLflow as dashboard/"
             in out)
@@ -365,6 +505,17 @@ def test_cli_sweep_prints_the_parent_run_and_the_dashboard(tmp_path, prefect_ser
     if "grpo.sweep.registered_model" in tags:
         version = client.get_model_version(tags["grpo.sweep.registered_model"], tags["grpo.sweep.registered_version"])
         assert version.run_id == tags["grpo.sweep.best_run_id"]
+
+    # the same grid on the same study: nothing to run, the study's best reported, exit 0
+    again = subprocess.run([sys.executable, "-m", "grpo.app.cli", "sweep", "--config", str(MICRO), "--space",
+                            str(tmp_path / "space.yaml"), "--name", "lr-again", "--study", "lr", "--metric",
+                            "wall_seconds", "--direction", "minimize", *(a for s in sets for a in ("--set", s))],
+                           cwd=tmp_path, env=prefect_server.env(), capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "grid: 2 of 2 points already in study lr; nothing to run" in again.stdout, again.stdout
+    best = next(t["run_name"] for t in trials if t["mlflow_run_id"] == tags["grpo.sweep.best_run_id"])
+    assert f"best: {best} (wall_seconds=" in again.stdout, again.stdout
+    assert not [line for line in again.stdout.splitlines() if line.startswith("  lr-again-t")], again.stdout
 
 
 # A space where one temperature is clearly bad: sampled at 25.0, the micro model's completions are noise from the first
@@ -395,7 +546,8 @@ def test_tpe_sweep_prunes_and_a_scheduled_run_continues_the_study(tmp_path, pref
         "tracking.backend": "mlflow", "tracking.tracking_uri": mlflow_server.uri,
         "tracking.experiment_name": "sweep-optuna", "tracking.log_system_metrics": "false"}))
     nightly = {"space": TPE_PRUNED, "max_concurrency": 1, "metric": "reward_last", "direction": "maximize",
-               "study_name": default_study_name(cfg, "unused", "nightly")}
+               "study_name": default_study_name(cfg, "unused", "nightly"),
+               "registered_model_name": f"tpe-{tmp_path.name}"}  # its own: `best` is judged across a model's sweeps
     assert nightly["study_name"] == f"{cfg.name}-nightly"  # what a run of grpo-sweep/nightly defaults to
 
     first = grpo_sweep(config=cfg, sweep_name="night1", **nightly)
@@ -422,7 +574,7 @@ def test_tpe_sweep_prunes_and_a_scheduled_run_continues_the_study(tmp_path, pref
     best = first["best"]
     assert best["trial"] == study.best_trial.number and best["metric_value"] == study.best_value
     assert first["registered_model"]["alias"] == "best"
-    version = client.get_model_version_by_alias(f"{cfg.name}-grpo", "best")
+    version = client.get_model_version_by_alias(nightly["registered_model_name"], "best")
     assert version.run_id == best["mlflow_run_id"]
     parent = client.get_run(first["mlflow_run_id"])
     assert parent.data.metrics["sweep/trials_pruned"] == len(pruned)

@@ -8,38 +8,46 @@ run. Read it top to bottom.
    bounds), the sweep's name and directory;
 2. creates or continues the Optuna study ``study_name`` in ``storage`` (default ``sqlite:///<output_dir>/optuna.db``;
    a deployment's runs default to ``<config.name>-<deployment>``, so the nightly schedule adds to one study night
-   after night; any other sweep defaults to a new study named as the sweep); its sampler (grid: every combination
-   enqueued, random: ``RandomSampler``, tpe: ``TPESampler``) and pruner (``MedianPruner``, ``HyperbandPruner``) come
-   from the space;
+   after night; any other sweep defaults to a new study named as the sweep); its sampler (grid: the combinations the
+   study has not run, enqueued; random: ``RandomSampler``, tpe: ``TPESampler``) and pruner (``MedianPruner``,
+   ``HyperbandPruner``) come from the space. A grid point the study already has (a completed or pruned trial with the
+   same params) is not run again; one line says how many there were ("grid: 3 of 3 points already in study X;
+   nothing to run");
 3. creates ``<output_dir>/<sweep_name>/`` and ONE MLflow parent run (tags ``grpo.run_type=sweep``, ``grpo.sweep``,
    ``grpo.sweep.study``; the space as param ``sweep.space`` and artifact ``sweep/space.json``); every invocation gets
    a new directory and parent run, never an earlier one's;
-4. runs ``n_trials`` NEW trials with Optuna's ask/tell, at most ``max_concurrency`` at a time, each in a thread of
-   this process (the next trial is asked for when a slot frees, so TPE sees every result told so far), each a
-   pipeline run named ``<sweep_name>-t<NNN>`` (NNN: the trial's number in the study, continuing across invocations)
-   in ``<output_dir>/<sweep_name>/``, whose MLflow run carries ``mlflow.parentRunId`` = the parent run plus
-   ``grpo.sweep.trial``. A :class:`TrialRunner` runs the trial's pipeline: :class:`InProcessTrials` in the trial's
-   thread (prepared data, sampler plans and the warm-started tiny model built first, in the sweep's thread), or
-   ``flows.sweep.DeploymentTrials`` as a flow run of a Prefect deployment. With a pruner, an in-process trial's
-   training reports the pruner's metric (default ``reward``) at every logging step
+4. runs ``n_trials`` NEW trials (a grid: its missing points) with Optuna's ask/tell, at most ``max_concurrency`` at
+   a time, each in a thread of this process (the next trial is asked for when a slot frees, so TPE sees every result
+   told so far), each a pipeline run named ``<sweep_name>-t<NNN>`` (NNN: the trial's number in the study,
+   continuing across invocations) in ``<output_dir>/<sweep_name>/``, whose MLflow run carries ``mlflow.parentRunId``
+   = the parent run plus ``grpo.sweep.trial``. A :class:`TrialRunner` runs the trial's pipeline:
+   :class:`InProcessTrials` in the trial's thread (prepared data, sampler plans and the warm-started tiny model built
+   first, in the sweep's thread), or ``flows.sweep.DeploymentTrials`` as a flow run of a Prefect deployment. With a
+   pruner, an in-process trial's training reports the pruner's metric (default ``reward``) at every logging step
    (:class:`grpo.training.pruning.ReportIntermediate`, a trainer callback in the trial's own
    :class:`~grpo.pipeline.run_context.RunContext`); when ``trial.should_prune()``, training stops at the end of that
    step, the pipeline finishes as usual (model, eval, summary), the trial is told PRUNED, and its MLflow run
    (FINISHED) is tagged ``grpo.sweep.pruned=true`` and ``grpo.sweep.pruned_at_step``. Trials of a deployment are
    sampled and told like in-process ones but NOT pruned: they train in the worker's process;
 5. records a failed trial as failed (FAIL in the study; its MLflow run set to FAILED with tag ``grpo.sweep.error``;
-   its row in the results has ``status: failed`` and the error) without stopping the others;
+   its row in the results has ``status: failed`` and the error) without stopping the others. Each trial's end is one
+   line on the sweep's log (its params, state and value), marked :data:`PROGRESS` for a console that shows only
+   those (``grpo sweep``);
 6. picks the study's best trial (``Study.best_trial``: over every completed trial of every invocation, by ``metric``
    read from the trial's summary or else its MLflow metrics, in ``direction``; pruned trials never qualify) and
-   registers its model as a new version of ``registered_model_name`` (default ``<config.name>-grpo``) with alias
-   ``best``, unless the alias already names a version of that run;
+   registers its model as a version of ``registered_model_name`` (default ``<config.name>-grpo``; a new version
+   unless that run has one), tagged with the metric, direction and value it was judged by. Every sweep of a config
+   registers into that one model, so the alias ``best`` is judged across its versions: it moves only to a version
+   that beats the one it names on the same metric and direction, else it stays and a line says why
+   (:mod:`grpo.tracking.sweep_runs`); ``study-<study>`` names the study's own best;
 7. publishes the results: ``results.json`` and ``sweep.json`` in the sweep directory, ``sweep/results.json`` (+ an
    MLflow table ``sweep/results_table.json``) and ``sweep/importances.json`` (Optuna's fANOVA parameter importances
    over the study) on the parent run, and the sweep's results page (a table of its trials) under the parent's
    ``dashboard/`` artifacts. The comparison dashboard is the app's (``grpo.app.sweep_dashboard``, after ``grpo
    sweep``; ``grpo dashboard --sweep``), the one layer that imports ``dashboards/``.
 
-It raises :class:`SweepError` (after publishing the results) only when every trial of this invocation failed.
+It raises :class:`SweepError` (after publishing the results) only when every trial of this invocation failed (an
+invocation with nothing to run, a grid the study has already run, ends cleanly with the study's best).
 
 Every path runs this function: ``grpo sweep`` and the Prefect UI run it in the flow ``grpo-sweep``
 (``flows/sweep.py``: each trial a ``sweep-trial`` task whose pipeline is a subflow, or a deployment's flow run;
@@ -71,7 +79,7 @@ from typing import Any, NamedTuple, Protocol
 
 from grpo.config import ExperimentConfig, to_yaml
 from grpo.errors import GRPOPlatformError, RunDirectoryError
-from grpo.formatting import count
+from grpo.formatting import count, human_metric, human_number
 from grpo.pipeline import stages
 from grpo.pipeline.cache_dirs import plan_dir_for
 from grpo.pipeline.run_context import RunContext
@@ -80,13 +88,21 @@ from grpo.runs import open_run_dir, validate_run_name
 from grpo.tracking.metric_keys import read_run_metric
 from grpo.tracking.model_logging import use_tracking_uri
 from grpo.tracking.run_tracking import end_status
-from grpo.tracking.sweep_runs import BEST_ALIAS, ParentRun
+from grpo.tracking.sweep_runs import BEST_ALIAS, DIRECTION_TAG, METRIC_TAG, VALUE_TAG, ParentRun
 from grpo.tracking.tracker import MlflowTracker, tracker_from_config
 from grpo.training.graceful_stop import clear_stop_request, request_stop
 from grpo.training.pruning import ReportIntermediate
 
 DIRECTIONS = ("maximize", "minimize")
 STATUSES = ("completed", "pruned", "failed")
+PROGRESS = {"grpo_sweep_progress": True}
+"""``extra`` of the sweep's log records a person follows it by (a grid's points already run, each trial's end): a
+console can show these alone (``grpo sweep``: :func:`is_progress`), the sweep's full log keeps the rest."""
+
+
+def is_progress(record: logging.LogRecord) -> bool:
+    """Whether ``record`` is one of the sweep's :data:`PROGRESS` lines."""
+    return bool(getattr(record, "grpo_sweep_progress", False))
 
 
 class SweepError(RuntimeError):
@@ -118,6 +134,7 @@ class Sweep:
     direction: str
     max_concurrency: int
     first_trial: int  # trials the study had before this invocation
+    grid_todo: list[dict[str, Any]] | None = None  # a grid's points the study has no completed or pruned trial of
     tracker: MlflowTracker | None = None
     parent: ParentRun | None = None
     context: RunContext = field(default_factory=RunContext, repr=False)  # the caller's: its trials share its flow runs
@@ -125,6 +142,11 @@ class Sweep:
     @property
     def pruner(self) -> str:
         return self.space.pruner_spec["type"] if self.space.pruner_spec else "none"
+
+    @property
+    def n_new(self) -> int:
+        """The trials this invocation runs: the space's ``n_trials``, or a grid's missing points."""
+        return self.space.n_trials if self.grid_todo is None else len(self.grid_todo)
 
 
 @dataclass
@@ -160,6 +182,14 @@ class TrialResult:
     wall_seconds: float | None
     run_dir: str
     error: str | None
+
+    def line(self) -> str:
+        """The trial's one line for a person: its run, state, value and params (or error)."""
+        detail = self.error if self.status == "failed" else ", ".join(
+            f"{k}={human_number(v)}" for k, v in self.overrides.items())
+        if self.status == "pruned":
+            detail += f" (pruned at step {self.pruned_at_step})"
+        return f"  {self.run_name:28s} {self.status:9s} {self.metric}={human_metric(self.metric_value)}  {detail}"
 
     def row(self) -> dict[str, Any]:
         """``results.json``'s and ``sweep.json``'s row: each override also as a column of its own, for the tables."""
@@ -257,7 +287,7 @@ def run_sweep(config: ExperimentConfig, space: Mapping[str, Any], trials: TrialR
         result = _publish(sweep, config, results, runs, registered_model_name, log, result_extra or {})
         if report is not None:
             report.finished(result)
-        if result["completed"] + result["pruned"] == 0:
+        if results and result["completed"] + result["pruned"] == 0:
             first = next((r.error for r in results if r.error), "unknown error")
             raise SweepError(f"sweep {name}: all {len(results)} trials failed; first error: {first}", result)
         status = "FINISHED"
@@ -298,10 +328,18 @@ def _open(config: ExperimentConfig, space: Mapping[str, Any], checked: Space, na
     sweep = Sweep(name=name, dir=sweep_dir, space=checked, study=study, study_name=study_name, storage=storage,
                   metric=metric, direction=direction, max_concurrency=max_concurrency,
                   first_trial=len(study.get_trials(deepcopy=False)))
+    if checked.sampler_kind == "grid":
+        points = checked.grid_points()
+        sweep.grid_todo = _grid_todo(study, checked, points)
+        if len(sweep.grid_todo) < len(points):
+            todo = f"running the {count(len(sweep.grid_todo), 'missing point')}" if sweep.grid_todo else \
+                "nothing to run"
+            log.info(f"grid: {len(points) - len(sweep.grid_todo)} of {len(points)} points already in study "
+                     f"{study_name}; {todo}", extra=PROGRESS)
     sweep_dir.mkdir(parents=True)
     (sweep_dir / "space.json").write_text(json.dumps(space, indent=2, default=str))
     (sweep_dir / "base_config.yaml").write_text(to_yaml(config))
-    log.info(f"sweep {name}: {checked.n_trials} new trials of study {study_name} ({sweep.first_trial} before) over "
+    log.info(f"sweep {name}: {sweep.n_new} new trials of study {study_name} ({sweep.first_trial} before) over "
              f"{', '.join(checked.fields)}, {checked.sampler_kind} sampler, {sweep.pruner} pruner, max "
              f"{max_concurrency} at once{'' if trials.in_process else f', via deployment {trials.name} (not pruned)'}")
     return sweep
@@ -317,7 +355,7 @@ def _start_parent_run(sweep: Sweep, config: ExperimentConfig, space: Mapping[str
         sweep.name, config.tracking.experiment_name,
         tags={"grpo.run_type": "sweep", "grpo.sweep": sweep.name, "grpo.run_dir": str(sweep.dir),
               "grpo.sweep.study": sweep.study_name, **tags},
-        params={"sweep.n_trials": sweep.space.n_trials, "sweep.max_concurrency": sweep.max_concurrency,
+        params={"sweep.n_trials": sweep.n_new, "sweep.max_concurrency": sweep.max_concurrency,
                 "sweep.metric": sweep.metric, "sweep.direction": sweep.direction,
                 "sweep.fields": ",".join(sweep.space.fields), "sweep.space": space,
                 "sweep.sampler": sweep.space.sampler_kind, "sweep.pruner": sweep.pruner,
@@ -334,8 +372,8 @@ def _run_trials(sweep: Sweep, trials: TrialRunner, runs: TrialRuns | None, log) 
     trial starts."""
     from optuna.trial import TrialState
 
-    if sweep.space.sampler_kind == "grid":
-        sweep.space.enqueue_grid(sweep.study)
+    if sweep.grid_todo is not None:
+        sweep.space.enqueue_grid(sweep.study, _not_waiting(sweep.study, sweep.space, sweep.grid_todo))
     results: list[TrialResult] = []
     running: dict[concurrent.futures.Future, Trial] = {}
     # Trials log models through MLflow's global tracking URI, which log_model switches per call; pinning it for the
@@ -344,8 +382,8 @@ def _run_trials(sweep: Sweep, trials: TrialRunner, runs: TrialRuns | None, log) 
     with uri, concurrent.futures.ThreadPoolExecutor(sweep.max_concurrency, thread_name_prefix="sweep-trial") as pool:
         asked = 0
         try:
-            while asked < sweep.space.n_trials or running:
-                while asked < sweep.space.n_trials and len(running) < sweep.max_concurrency:
+            while asked < sweep.n_new or running:
+                while asked < sweep.n_new and len(running) < sweep.max_concurrency:
                     asked += 1
                     trial = _ask(sweep)
                     try:
@@ -456,13 +494,13 @@ def _tell(sweep: Sweep, trial: Trial, status: str, summary: dict[str, Any], erro
     sweep.study.tell(trial.study_trial, value if state == TrialState.COMPLETE else None, state=state)
     if status == "completed" and value is None:
         log.warning(f"trial {trial.number} ({trial.run_name}) has no value for {sweep.metric!r}: failed in the study")
-    if error:
-        log.warning(f"trial {trial.number} ({trial.run_name}) failed: {error}")
-    return TrialResult(trial=trial.number, run_name=trial.run_name, status=status, overrides=trial.overrides,
-                       metric=sweep.metric, metric_value=value, pruned_at_step=pruned_at,
-                       study_state=state.name.lower(), mlflow_run_id=run_id,
-                       prefect_flow_run_id=summary.get("prefect_flow_run_id"),
-                       wall_seconds=summary.get("wall_seconds"), run_dir=str(trial.run_dir), error=error)
+    result = TrialResult(trial=trial.number, run_name=trial.run_name, status=status, overrides=trial.overrides,
+                         metric=sweep.metric, metric_value=value, pruned_at_step=pruned_at,
+                         study_state=state.name.lower(), mlflow_run_id=run_id,
+                         prefect_flow_run_id=summary.get("prefect_flow_run_id"),
+                         wall_seconds=summary.get("wall_seconds"), run_dir=str(trial.run_dir), error=error)
+    log.log(logging.WARNING if error else logging.INFO, result.line(), extra=PROGRESS)
+    return result
 
 
 def _publish(sweep: Sweep, config: ExperimentConfig, results: list[TrialResult], runs: TrialRuns | None,
@@ -511,12 +549,15 @@ def _register_best(sweep: Sweep, config: ExperimentConfig, best: dict[str, Any] 
         return None
     tags = {"grpo.sweep": best.get("sweep") or sweep.name, "grpo.sweep.parent_run_id": sweep.parent.run_id,
             "grpo.sweep.study": sweep.study_name, "grpo.sweep.trial": str(best["trial"]),
-            "grpo.sweep.metric": sweep.metric, "grpo.sweep.metric_value": str(best["metric_value"])}
+            METRIC_TAG: sweep.metric, DIRECTION_TAG: sweep.direction, VALUE_TAG: str(best["metric_value"])}
     try:
-        return runs.register(best["mlflow_run_id"], model_name, tags)
+        registered = runs.register(best["mlflow_run_id"], model_name, tags)
     except Exception as err:
         log.warning(f"could not register the best trial's model: {type(err).__name__}: {err}")
         return None
+    if registered.get("note"):
+        log.info(f"{model_name} version {registered['version']}: {registered['note']}")
+    return registered
 
 
 def _log_results(sweep: Sweep, rows: list[dict], counts: dict[str, int], study: dict, best: dict | None,
@@ -585,6 +626,7 @@ def open_study(study_name: str, storage: str, space: Space, metric: str, directi
     """Create the study, or load it to continue (``load_if_exists``); its direction and metric must be this sweep's."""
     import optuna
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # not "A new study created"; the sweep says what it runs
     if storage.startswith("sqlite:///"):
         Path(storage[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
     study = optuna.create_study(study_name=study_name, storage=storage, sampler=space.sampler(),
@@ -598,6 +640,32 @@ def open_study(study_name: str, storage: str, space: Space, metric: str, directi
                          f"{study.user_attrs['metric']!r}, not {metric!r}; choose another study name")
     study.set_user_attr("metric", metric)
     return study
+
+
+def _grid_todo(study, space: Space, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The grid ``points`` the study has no completed or pruned trial of (the same params, no others): running them
+    again repeats a result the study has. A failed point runs again."""
+    from optuna.trial import TrialState
+
+    done = [space.decode(t.params) for t in study.get_trials(deepcopy=False,
+                                                             states=(TrialState.COMPLETE, TrialState.PRUNED))]
+    return [p for p in points if p not in done]
+
+
+def _not_waiting(study, space: Space, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``points`` to enqueue: those the study does not hold as WAITING already (enqueued by an invocation stopped
+    before it asked for them; the next asks take those first)."""
+    from optuna.trial import TrialState
+
+    waiting = [space.decode(t.system_attrs.get("fixed_params", {}))
+               for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
+    out = []
+    for point in points:
+        if point in waiting:
+            waiting.remove(point)
+        else:
+            out.append(point)
+    return out
 
 
 def _trial_states(study) -> dict[str, int]:
@@ -752,7 +820,7 @@ class InProcessTrials:
         return self.pipeline(trial)
 
 
-__all__ = ["BEST_ALIAS", "DIRECTIONS", "InProcessTrials", "InputStages", "ParentRun", "StudyError", "Sweep",
+__all__ = ["BEST_ALIAS", "DIRECTIONS", "PROGRESS", "InProcessTrials", "InputStages", "ParentRun", "StudyError", "Sweep",
            "SweepError", "SweepReport", "Trial", "TrialResult", "TrialRunner", "TrialRuns", "default_storage",
            "default_study_name", "default_sweep_name", "open_study", "param_importances", "results_table", "run_sweep",
-           "run_trial_pipeline", "shown_storage", "write_result"]
+           "run_trial_pipeline", "shown_storage", "write_result", "is_progress"]

@@ -28,7 +28,8 @@ paths (a sweep varies this platform's config, by the paths :func:`grpo.config.fl
 configs a space yields before anything runs. Sampling, pruning and their state are Optuna's. A grid is run by
 enqueuing every combination (``Study.enqueue_trial``) rather than with ``GridSampler``: this flow drives Optuna with
 ask/tell, where ``GridSampler.after_trial`` calls ``Study.stop()`` (which only works inside ``Study.optimize``), and a
-continued grid study would get random repeats instead of the grid once more each invocation.
+continued grid study would get random repeats; the sweep enqueues only the points its study has not run yet
+(:mod:`grpo.pipeline.sweep`).
 
 :func:`validate_space` checks a space against a base config now: field paths (an unknown one is named, with the
 closest valid path), every grid combination, and every distribution's bounds and choices one field at a time (a
@@ -410,9 +411,9 @@ class Space:
             return optuna.pruners.MedianPruner(**options)
         return optuna.pruners.HyperbandPruner(**options)
 
-    def enqueue_grid(self, study) -> None:
-        """Enqueue every grid combination (once per invocation; a continued grid study runs the grid again)."""
-        for point in self.grid_points():
+    def enqueue_grid(self, study, points: list[dict[str, Any]] | None = None) -> None:
+        """Enqueue ``points`` (default: every grid combination), in order, for the study's next asks."""
+        for point in self.grid_points() if points is None else points:
             study.enqueue_trial({k: self._encode(k, v) for k, v in point.items()})
 
     def suggest(self, trial) -> dict[str, Any]:
