@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -29,24 +30,40 @@ def test_grpo_ui_serves_both_grpo_serve_waits_out_its_busy_prefect_server_and_ct
     busy (forced: its process group stopped, so the kernel accepts the connection and nothing answers, as an event
     loop held by SQLite on a loaded machine does); it says so and registers its deployments once the server answers.
     Before, its 5-second health check failed the serve ("no Prefect server ... (timed out)", exit 2): clean-clone CI
-    at e849605."""
+    at e849605.
+
+    The ports are not the defaults and the shell has exported PREFECT_API_URL for another server (#44.1): the banner
+    names the exports terminal 2 needs with the ports chosen, and the Prefect UI calls its own server's API. Before,
+    its /ui-settings named that other server (or port 4200 when none was exported), so the browser said "Can't
+    connect to Server API" with an empty Deployments list, or listed another server's deployments. MLflow's server
+    printed a StarletteDeprecationWarning twice (#44.6)."""
     prefect_port, mlflow_port = free_port(), free_port()
+    elsewhere = f"http://127.0.0.1:{free_port()}/api"  # exported for another server, none listening
     proc = subprocess.Popen([sys.executable, "-m", "grpo.app.cli", "ui", "--prefect-port", str(prefect_port),
                              "--mlflow-port", str(mlflow_port)], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")})  # a fresh database
+                            env={**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"),  # a fresh database
+                                 "PREFECT_API_URL": elsewhere})
     try:
         deadline = time.time() + 600  # a hung server's bound
-        line = ""
-        while time.time() < deadline and "MLflow UI" not in line:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "grpo ui exited"
-        assert f"http://127.0.0.1:{mlflow_port}" in line
+        lines = [""]
+        while time.time() < deadline and not lines[-1].startswith("  export "):
+            lines.append(proc.stdout.readline())
+            assert lines[-1] or proc.poll() is None, "grpo ui exited"
+        banner, exports = lines[-3], lines[-1]
+        assert f"http://127.0.0.1:{mlflow_port}" in banner and f"http://127.0.0.1:{prefect_port}" in banner
+        assert exports.split() == ["export", f"PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api",
+                                   f"MLFLOW_TRACKING_URI=http://127.0.0.1:{mlflow_port}"], lines[-3:]
+        assert "StarletteDeprecationWarning" not in "".join(lines), "".join(lines)
+        ui = f"http://127.0.0.1:{prefect_port}"
+        with urllib.request.urlopen(f"{ui}/ui-settings", timeout=30) as response:
+            assert json.load(response)["api_url"] == f"{ui}/api"
         assert healthy(f"http://127.0.0.1:{prefect_port}/api/health")
         assert healthy(f"http://127.0.0.1:{mlflow_port}/health")
         assert (tmp_path / "mlflow.db").is_file()  # the project folder's local store
         _experiment_opens_on_its_runs(f"http://127.0.0.1:{mlflow_port}")
         _serve_waits_out_a_busy_server(proc, prefect_port, tmp_path)
+        _deployments_list_its_own_server(ui)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
@@ -103,6 +120,31 @@ def _serve_waits_out_a_busy_server(ui: subprocess.Popen, prefect_port: int, tmp_
     finally:
         os.killpg(prefect.pid, signal.SIGCONT)
     assert serve.returncode == 0, log.read_text()[-3000:]
+
+
+def _deployments_list_its_own_server(ui: str) -> None:
+    """The Prefect UI's Deployments page, in Chromium, lists what ``grpo serve`` registered with this server, and
+    every API call the page makes goes to this server."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.browser import CHROMIUM, CHROMIUM_ARGS, SCREENSHOTS, require_chromium
+
+    require_chromium()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            calls: list[str] = []
+            page.on("request", lambda request: calls.append(request.url) if "/api/" in request.url else None)
+            page.goto(f"{ui}/deployments", wait_until="load", timeout=60_000)
+            try:
+                expect(page.get_by_text("grpo-sweep").first).to_be_visible(timeout=120_000)
+            finally:
+                page.screenshot(path=str(SCREENSHOTS / "prefect-grpo-ui-other-ports.png"))
+            assert "Can't connect" not in page.locator("body").inner_text()
+        finally:
+            browser.close()
+    assert calls and all(url.startswith(f"{ui}/api/") for url in calls), sorted(set(calls))
 
 
 def _experiment_opens_on_its_runs(uri: str) -> None:
@@ -171,3 +213,68 @@ def test_second_grpo_ui_says_the_ports_are_taken_and_sigterm_stops_both_servers(
     assert not alive, [p.pid for p in alive]
     assert not healthy(f"http://127.0.0.1:{prefect_port}/api/health")
     assert not healthy(f"http://127.0.0.1:{mlflow_port}/health")
+
+
+# Library lines that a served sweep printed among grpo serve's own (#44.6): transformers' progress bars for the
+# policy the sweep loads (or builds and saves) before its first trial, MLflow's registry notes on the best model and
+# its note on GPU metrics; and on SIGTERM Prefect's runner's "coroutine 'Runner.astop' was never awaited".
+SERVE_CHATTER = ("Loading weights", "Writing model shards", "Successfully registered model", "Created version",
+                 "Skip logging GPU metrics", "RuntimeWarning", "never awaited")
+
+
+def test_grpo_serve_runs_a_sweep_without_library_chatter_and_sigterm_stops_it_cleanly(prefect_server, mlflow_server,
+                                                                                     tmp_path):
+    """``grpo serve`` as terminal 2 runs it: a sweep started from its deployment (one micro trial of 2 steps) leaves
+    only the platform's and Prefect's lines in its console. SIGTERM (``kill``, systemd, a container stop) during a
+    served run's training stops serving as Ctrl-C does: the run saves a checkpoint at its step and ends Cancelled, the
+    schedules are paused, exit 0, without Python's warning about Prefect's stop coroutine or a traceback. Before,
+    Prefect's own handler printed both and exited at once, its run left Running with no process and no checkpoint."""
+    from tests.conftest import MICRO
+    from tests.servers import BIN, interrupt
+
+    s = prefect_server
+    config = tmp_path / "micro-tracked.yaml"  # tracked, so the best model is registered
+    config.write_text(MICRO.read_text() + "tracking:\n  backend: mlflow\n")
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(BIN / "grpo"), "serve", "--config", str(config), "--name", "console"],
+                                cwd=tmp_path, env=s.env(MLFLOW_TRACKING_URI=mlflow_server.uri), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start(deployment: str, parameters: dict) -> dict:
+        deadline = time.monotonic() + 600  # a hung server's bound
+        while (response := s._request("GET", f"deployments/name/{deployment}")).status_code != 200:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        created = s.post(f"deployments/{response.json()['id']}/create_flow_run", {"parameters": parameters})
+        assert created.status_code == 201, created.text
+        return created.json()
+
+    try:
+        run = start("grpo-sweep/console", {"space": {"grid": {"grpo.learning_rate": [1e-4]}}, "max_steps": 2,
+                                           "registered_model_name": f"serve-console-{tmp_path.name}"})
+        deadline = time.monotonic() + 1200  # a hung run's bound
+        while run["state_type"] not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            assert proc.poll() is None and time.monotonic() < deadline, (run["state"], log.read_text()[-3000:])
+            time.sleep(2)
+            run = s.get(f"flow_runs/{run['id']}")
+        assert run["state_type"] == "COMPLETED", (run["state"], log.read_text()[-4000:])
+        training = start("grpo-pipeline/console", {"max_steps": 400})
+        deadline = time.monotonic() + 600  # a hung run's bound
+        while "/400 | reward" not in log.read_text():  # its first logged step: it is training
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            interrupt(proc, timeout=90)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    [sweep_json] = list(tmp_path.glob("runs/*/sweep.json"))
+    assert json.loads(sweep_json.read_text())["registered_model"], text[-3000:]  # the registry was written to
+    assert [c for c in SERVE_CHATTER if c in text] == [], text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    assert s.get(f"flow_runs/{training['id']}")["state_type"] == "CANCELLED", text[-3000:]
+    assert list(tmp_path.glob("runs/*/checkpoints/checkpoint-*")), text[-3000:]
+    assert s.get("deployments/name/grpo-sweep/console")["paused"]  # serving stopped: its schedules paused

@@ -110,6 +110,28 @@ def _log_to_file(path: Path) -> None:
     root.addHandler(handler)
 
 
+def _sweep_console() -> None:
+    """``grpo sweep``'s console: a person follows the sweep by its own lines (its Prefect link, a grid's points already
+    run, one line per trial as it ends: grpo.pipeline.sweep.PROGRESS records), printed plainly on stdout; of every
+    other log record only warnings and errors. The trials' stage lines, Prefect's lines for each (sub)flow and task
+    run ("Beginning", "Finished in state", "View at") and the sweep's INFO stay in each flow run's log in the Prefect
+    UI."""
+    from grpo.pipeline.sweep import is_progress
+
+    root = logging.getLogger()
+    if any(getattr(h, "_grpo_sweep_lines", False) for h in root.handlers):
+        return
+    for logger in (root, logging.getLogger("prefect")):
+        for h in logger.handlers:
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                h.addFilter(lambda r: r.levelno >= logging.WARNING and not is_progress(r))
+    lines = logging.StreamHandler(sys.stdout)
+    lines.setFormatter(logging.Formatter("%(message)s"))
+    lines.addFilter(is_progress)
+    lines._grpo_sweep_lines = True
+    root.addHandler(lines)
+
+
 @contextmanager
 def _stoppable(saved: str, flow_runs: list[str]):
     """Run a flow so that Ctrl-C or SIGTERM stops it within seconds (#12.5, #12.6): the embedded Prefect server runs
@@ -289,15 +311,18 @@ def sweep(
                 raise RunDirectoryError(f"sweep directory {Path(cfg.output_dir) / name} already exists; "
                                         "choose another --name")
         pruner = checked.pruner_spec["type"] if checked.pruner_spec else "no"
-        typer.echo(f"sweep: {checked.n_trials} trials ({checked.sampler_kind} sampler, {pruner} pruner), "
-                   f"at most {max_concurrency} at once")
+        trials = f"{checked.n_trials} grid points" if checked.sampler_kind == "grid" else \
+            f"{checked.n_trials} trials ({checked.sampler_kind} sampler)"
+        typer.echo(f"sweep: {trials}, {pruner} pruner, at most {max_concurrency} at once")
         from flows.sweep import grpo_sweep
         from grpo.app.sweep_dashboard import add_comparison_dashboard
         from grpo.console import quiet_library_noise
+        from grpo.formatting import human_metric
         from grpo.pipeline.run_context import RunContext
         from grpo.pipeline.sweep import SweepError, default_sweep_name
 
         quiet_library_noise()  # also for what the sweep does itself: best model, dashboard (artifact downloads)
+        _sweep_console()
         name = name or default_sweep_name(cfg)  # the sweep's directory: where the flow finds this command's context
         context = RunContext()  # collects the sweep's and its trials' flow runs, to cancel when stopped
         try:
@@ -311,26 +336,22 @@ def sweep(
                     if err.result is not None:
                         add_comparison_dashboard(cfg, err.result)
                     raise
-                add_comparison_dashboard(cfg, result)
+                if result["trials"]:  # none ran (a grid the study has run): nothing under this parent to compare
+                    add_comparison_dashboard(cfg, result)
         except SweepError as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(code=1) from None
     except GRPOPlatformError as err:
         _fail(str(err))
-    for r in result["trials"]:
-        value = "-" if r["metric_value"] is None else f"{r['metric_value']:.4f}"
-        detail = r["error"] if r["status"] == "failed" else ", ".join(f"{k}={v}" for k, v in r["overrides"].items())
-        if r["status"] == "pruned":
-            detail += f" (pruned at step {r['pruned_at_step']})"
-        typer.echo(f"  {r['run_name']:28s} {r['status']:9s} {metric}={value}  {detail}")
-    st = result["study"]
+    st = result["study"]  # each trial's line came as it ended (_sweep_console)
     typer.echo(f"study: {st['name']} ({st['storage']}), {st['n_trials']} trials in all: "
                + ", ".join(f"{v} {k}" for k, v in st["states"].items()))
     if result["best"] is not None:
-        typer.echo(f"best: {result['best']['run_name']} ({metric}={result['best']['metric_value']:.4f})")
+        typer.echo(f"best: {result['best']['run_name']} ({metric}={human_metric(result['best']['metric_value'])})")
     if result["registered_model"]:
         m = result["registered_model"]
-        typer.echo(f"registered: {m['name']} version {m['version']} (alias {m['alias']})")
+        typer.echo(f"registered: {m['name']} version {m['version']}{', as before' if m['unchanged'] else ''} "
+                   + (f"(alias {m['alias']})" if m["alias"] else f"({m['note']})"))
     if result.get("mlflow_run_id"):
         typer.echo(f"mlflow parent run: {result['mlflow_run_id']} "
                    f"(compare again: grpo dashboard --experiment {cfg.tracking.experiment_name} "
@@ -475,7 +496,7 @@ def ui(
     try:
         procs = start_servers(Path.cwd(), prefect_port, mlflow_port)
         typer.echo(f"Prefect UI: http://127.0.0.1:{prefect_port}    MLflow UI: http://127.0.0.1:{mlflow_port}")
-        typer.echo("To send new runs to these servers, in another shell:")
+        typer.echo("In another shell, point grpo serve (or grpo run, grpo sweep) at these servers:")
         typer.echo(f"  export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api "
                    f"MLFLOW_TRACKING_URI=http://127.0.0.1:{mlflow_port}")
         while all(p.poll() is None for p in procs):

@@ -2,8 +2,9 @@
 
 ``grpo serve`` is the one-command local setup: it registers the pipeline flow (and the sweep flow) as deployments
 of the Prefect server at ``PREFECT_API_URL`` and runs their flow runs on this machine (subprocesses of this one)
-until Ctrl-C, with no work pool or worker (``prefect.serve``). The run form in the Prefect UI starts from the
-``tiny`` preset (or ``--config FILE|PRESET``); ``--schedule CRON`` makes the sweep (or the pipeline) recur.
+until Ctrl-C or SIGTERM, with no work pool or worker (Prefect's runner, as ``prefect.serve``). The run form in the
+Prefect UI starts from the ``tiny`` preset (or ``--config FILE|PRESET``); ``--schedule CRON`` makes the sweep (or the
+pipeline) recur.
 
 ``grpo deploy`` is ``prefect deploy`` over ``infra/prefect.yaml`` (deployments to work pools, run by workers), with
 the checks done first so a missing server, work pool or flow file is one line, and with a fix for Prefect 3.8.8's
@@ -28,7 +29,7 @@ SWEEP_MODULE = "flows.sweep"
 # each trial 50 steps (the tiny preset gains most of its accuracy in its first 50), so the form's defaults finish in
 # minutes on 2 cores.
 SWEEP_PARAMETERS: dict[str, Any] = {
-    "space": {"grid": {"grpo.learning_rate": [5.0e-5, 1.0e-4, 2.0e-4]}},
+    "space": {"sampler": "grid", "params": {"grpo.learning_rate": [5.0e-5, 1.0e-4, 2.0e-4]}},
     "max_steps": 50,
     "max_concurrency": 1,
     "metric": "eval_accuracy_after",
@@ -236,17 +237,51 @@ def keep_json_kinds(deployments: list) -> None:
 
 
 def serve(deployments: list, limit: int | None = 1, echo=print) -> None:
-    """Serve until interrupted; the deployments' schedules are paused when serving stops."""
-    import prefect
+    """Serve until Ctrl-C or SIGTERM (what ``prefect.serve`` does, with the runner of :func:`_runner`); the
+    deployments' schedules are paused when serving stops."""
+    import asyncio
+    import signal
+
+    from prefect.exceptions import TerminationSignal
 
     keep_json_kinds(deployments)
     for d in deployments:
         when = f", schedule {d.schedules[0].schedule.cron}" if d.schedules else ""
         echo(f"serving {d.flow_name}/{d.name}{when}")
+    on_sigterm = signal.getsignal(signal.SIGTERM)
     try:
-        prefect.serve(*deployments, limit=limit, print_starting_message=False)
+        runner = _runner(limit)
+        for d in deployments:
+            runner.add_deployment(d)  # registers it with the server
+        asyncio.run(runner.start())  # installs the runner's SIGTERM handler
+    except (KeyboardInterrupt, TerminationSignal):
+        pass
     finally:
+        signal.signal(signal.SIGTERM, on_sigterm)  # the runner's handler needs its loop, which has ended
         pause_served(deployments)
+
+
+def _runner(limit: int | None):
+    """Prefect's ``Runner`` (paused schedules on shutdown, at most ``limit`` runs at once) whose SIGTERM handler stops
+    it. Prefect's handler calls ``self.stop()`` from inside the running event loop, where ``async_dispatch`` hands
+    back the ``astop()`` coroutine instead of running it: "coroutine 'Runner.astop' was never awaited" on the
+    console, and the runner's stop (cancelling the flow runs in progress) skipped before its ``sys.exit(0)``."""
+    import asyncio
+    import signal
+
+    from prefect.exceptions import TerminationSignal
+    from prefect.runner import Runner
+
+    class StoppingRunner(Runner):
+        def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
+            if not self.started:  # still starting, or a second SIGTERM while stopping: unwind now, as Ctrl-C does
+                raise TerminationSignal(signal.SIGTERM)
+            self._logger.info("SIGTERM received, initiating graceful shutdown...")
+            # threadsafe: it also wakes the loop, which a plain create_task from a signal handler leaves asleep in
+            # its selector until something else wakes it (as asyncio.run's own SIGINT handler knows)
+            self._stopping = asyncio.run_coroutine_threadsafe(self.astop(), asyncio.get_running_loop())
+
+    return StoppingRunner(pause_on_shutdown=True, limit=limit)
 
 
 def pause_served(deployments: list) -> None:

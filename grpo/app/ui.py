@@ -59,6 +59,22 @@ def taken_ports_message(prefect_port: int, mlflow_port: int) -> str | None:
            "grpo ui --prefect-port 4201 --mlflow-port 5001"
 
 
+# MLflow's FastAPI app imports starlette.middleware.wsgi, which Starlette has deprecated: its server printed a
+# StarletteDeprecationWarning twice (two of its processes import the app) that tells a grpo user nothing they can act
+# on. Only that warning, from that import, is ignored (PYTHONWARNINGS: action:message-prefix:category:module).
+MLFLOW_STARLETTE_WARNING = "ignore:starlette.middleware.wsgi is deprecated:UserWarning:mlflow.server.fastapi_app"
+
+
+def prefect_server_env(port: int) -> dict[str, str]:
+    """The settings that make a ``prefect server start --port PORT`` its own. Its UI asks ``/ui-settings`` which API
+    to call, and Prefect answers ``PREFECT_API_URL`` (environment or profile), else ``PREFECT_SERVER_API_PORT``
+    (4200), not the ``--port`` it listens on: on another port the UI said "Can't connect to Server API" or showed
+    another server's flows. ``PREFECT_API_URL`` is set too, over one the shell exported for another server: the
+    links the server writes to its own UI (automations' notifications, ``PREFECT_UI_URL``) derive from it."""
+    url = f"http://127.0.0.1:{port}/api"
+    return {"PREFECT_API_URL": url, "PREFECT_SERVER_UI_API_URL": url}
+
+
 def start_servers(project_dir: Path, prefect_port: int, mlflow_port: int) -> list[subprocess.Popen]:
     """Start both servers bound to 127.0.0.1 and wait until they answer; returns the processes. Both are stopped when
     either fails to come up or the wait is interrupted (Ctrl-C, SIGTERM)."""
@@ -70,13 +86,14 @@ def start_servers(project_dir: Path, prefect_port: int, mlflow_port: int) -> lis
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     prefect = subprocess.Popen(
         [str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
-        env=env, start_new_session=True,
+        env={**env, **prefect_server_env(prefect_port)}, start_new_session=True,
     )
     mlflow = subprocess.Popen(
         [str(bin_dir / "mlflow"), "server", "--app-name", "grpo", "--host", "127.0.0.1", "--port", str(mlflow_port),
          "--workers", "1",
          "--backend-store-uri", uri, "--default-artifact-root", str(artifacts)],
-        env=env, start_new_session=True,
+        env={**env, "PYTHONWARNINGS": ",".join(filter(None, (env.get("PYTHONWARNINGS"), MLFLOW_STARLETTE_WARNING)))},
+        start_new_session=True,
     )
     procs = [prefect, mlflow]
     try:
