@@ -42,7 +42,8 @@ def test_grpo_ui_serves_both_grpo_serve_waits_out_its_busy_prefect_server_and_ct
     proc = subprocess.Popen([sys.executable, "-m", "grpo.app.cli", "ui", "--prefect-port", str(prefect_port),
                              "--mlflow-port", str(mlflow_port)], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"),  # a fresh database
+                            env={**{k: v for k, v in os.environ.items() if k != "GRPO_CACHE_DIR"},  # the default
+                                 "PREFECT_HOME": str(tmp_path / "prefect-home"),  # a fresh database
                                  "PREFECT_API_URL": elsewhere})
     try:
         deadline = time.time() + 600  # a hung server's bound
@@ -50,6 +51,12 @@ def test_grpo_ui_serves_both_grpo_serve_waits_out_its_busy_prefect_server_and_ct
         while time.time() < deadline and not lines[-1].startswith("  export "):
             lines.append(proc.stdout.readline())
             assert lines[-1] or proc.poll() is None, "grpo ui exited"
+        logs = proc.stdout.readline()
+        # what grpo ui prints, whole: where to go, what to export, where the servers' own output went (Prefect's
+        # ASCII banner, uvicorn's and MLflow's start-up lines filled the console before)
+        assert len(lines) == 4 and lines[-2].startswith("In another shell"), lines
+        assert logs.startswith("The servers' own logs: .cache/grpo/ui/prefect-server.log and "), logs
+        assert "Uvicorn running" in (tmp_path / ".cache/grpo/ui/mlflow-server.log").read_text()
         banner, exports = lines[-3], lines[-1]
         assert f"http://127.0.0.1:{mlflow_port}" in banner and f"http://127.0.0.1:{prefect_port}" in banner
         assert exports.split() == ["export", f"PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api",

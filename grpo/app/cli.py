@@ -486,7 +486,7 @@ def ui(
     import time
 
     from grpo.app import procguard
-    from grpo.app.ui import start_servers, stop_servers, taken_ports_message
+    from grpo.app.ui import server_logs, start_servers, stop_servers, taken_ports_message
 
     taken = taken_ports_message(prefect_port, mlflow_port)
     if taken:
@@ -499,6 +499,8 @@ def ui(
         typer.echo("In another shell, point grpo serve (or grpo run, grpo sweep) at these servers:")
         typer.echo(f"  export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api "
                    f"MLFLOW_TRACKING_URI=http://127.0.0.1:{mlflow_port}")
+        typer.echo(f"The servers' own logs: {' and '.join(str(p) for p in server_logs().values())}. "
+                   "Ctrl-C stops both.")
         while all(p.poll() is None for p in procs):
             time.sleep(1)
     except RuntimeError as err:

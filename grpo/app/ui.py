@@ -75,31 +75,60 @@ def prefect_server_env(port: int) -> dict[str, str]:
     return {"PREFECT_API_URL": url, "PREFECT_SERVER_UI_API_URL": url}
 
 
+def server_logs() -> dict[str, Path]:
+    """Where ``grpo ui`` writes each server's own output (under the cache root: nobody's run output)."""
+    from grpo.paths import cache_root
+
+    folder = cache_root() / "ui"
+    return {"prefect": folder / "prefect-server.log", "mlflow": folder / "mlflow-server.log"}
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 def start_servers(project_dir: Path, prefect_port: int, mlflow_port: int) -> list[subprocess.Popen]:
     """Start both servers bound to 127.0.0.1 and wait until they answer; returns the processes. Both are stopped when
-    either fails to come up or the wait is interrupted (Ctrl-C, SIGTERM)."""
+    either fails to come up or the wait is interrupted (Ctrl-C, SIGTERM).
+
+    Their own output (Prefect's ASCII banner, uvicorn's request lines, MLflow's store and middleware notes) goes to
+    :func:`server_logs`, not the console: ``grpo ui`` prints where to go and what to export; a server that fails to
+    come up is named with the end of its log."""
     bin_dir = Path(sys.executable).parent
     uri = resolve_tracking_uri(None, project_dir)
     if not uri.startswith("sqlite:///"):
         uri = f"sqlite:///{project_dir.resolve() / 'mlflow.db'}"
     artifacts = Path(uri[len("sqlite:///"):]).parent / "mlartifacts"
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    prefect = subprocess.Popen(
-        [str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
-        env={**env, **prefect_server_env(prefect_port)}, start_new_session=True,
-    )
-    mlflow = subprocess.Popen(
+    logs = server_logs()
+    logs["prefect"].parent.mkdir(parents=True, exist_ok=True)
+    with logs["prefect"].open("w") as out:
+        prefect = subprocess.Popen(
+            [str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
+            env={**env, **prefect_server_env(prefect_port)}, start_new_session=True, stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    with logs["mlflow"].open("w") as out:
+        mlflow = subprocess.Popen(
         [str(bin_dir / "mlflow"), "server", "--app-name", "grpo", "--host", "127.0.0.1", "--port", str(mlflow_port),
          "--workers", "1",
          "--backend-store-uri", uri, "--default-artifact-root", str(artifacts)],
-        env={**env, "PYTHONWARNINGS": ",".join(filter(None, (env.get("PYTHONWARNINGS"), MLFLOW_STARLETTE_WARNING)))},
-        start_new_session=True,
-    )
+            env={**env,
+                 "PYTHONWARNINGS": ",".join(filter(None, (env.get("PYTHONWARNINGS"), MLFLOW_STARLETTE_WARNING)))},
+            start_new_session=True, stdout=out, stderr=subprocess.STDOUT,
+        )
     procs = [prefect, mlflow]
     try:
         # a hung server's bound, not a speed limit: Prefect's migrations take half a minute on a busy 2-core machine
-        wait_healthy(f"http://127.0.0.1:{prefect_port}/api/health", prefect, 600)
-        wait_healthy(f"http://127.0.0.1:{mlflow_port}/health", mlflow, 600)
+        for name, url, proc in (("prefect", f"http://127.0.0.1:{prefect_port}/api/health", prefect),
+                                ("mlflow", f"http://127.0.0.1:{mlflow_port}/health", mlflow)):
+            try:
+                wait_healthy(url, proc, 600)
+            except RuntimeError as err:
+                raise RuntimeError(f"{err}; its log {logs[name]} ends: {_tail(logs[name])}") from None
     except BaseException:
         stop_servers(procs)
         raise
