@@ -7,9 +7,10 @@
 * reward per step for every run (and ``reward_std`` next to it when logged),
 * greedy eval accuracy before/after training per run (bars): ``eval/accuracy`` at step 0 and at the last step
   (older runs: ``eval/accuracy_before``/``eval/accuracy_after``),
-* a final-metrics table: run name, status, the params with different values between the runs, steps, final reward,
-  eval accuracy before and after, pass@k and wall time, numbers as people write them (``2.61e-4``,
-  :func:`grpo.formatting.human_number`),
+* a final-metrics table: run name, status, eval accuracy before and after, pass@k, final reward, steps and wall time,
+  then the params with different values between the runs (the columns a page-wide table may scroll to; the run
+  names stay in view), metrics with 3 decimals (``0.760``, ``0.900``: :func:`grpo.formatting.human_metric`) and params
+  as people write them (``2.61e-4``: :func:`grpo.formatting.human_number`),
 * panels for zero-std groups / skipped zero-advantage batches, the replay buffer, reroll, batch balance, async
   rollouts, step time and system metrics, each only when at least one run logged one of its metrics (the page lists
   the panels left out),
@@ -34,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo.errors import GRPOPlatformError
-from grpo.formatting import count, human_number
-from grpo.tracking.metric_keys import TRAIN_PREFIX, eval_before_after, is_eval_curve
+from grpo.formatting import count, human_metric, human_number
+from grpo.tracking.metric_keys import eval_before_after, is_eval_curve, trainer_name
 from grpo.tracking.store import mlflow_ui_url
 
 ARTIFACT_PATH = "dashboard"
@@ -202,14 +203,14 @@ def _collect(client, mlflow_runs: list) -> list[RunData]:
     for r in mlflow_runs:
         name = r.info.run_name or r.info.run_id[:8]
         counts[name] = counts.get(name, 0) + 1
-    mlflow_key: dict[tuple[str, str], str] = {}  # (run id, TRL name) -> the run's MLflow key (train/reward)
+    mlflow_key: dict[tuple[str, str], str] = {}  # (run id, TRL name) -> the run's MLflow key (train/aux/loss)
     for i, r in enumerate(mlflow_runs):
         name = r.info.run_name or r.info.run_id[:8]
         latest = {}
         for key, value in r.data.metrics.items():
             if value is not None:
-                latest[key.removeprefix(TRAIN_PREFIX)] = value
-                mlflow_key[(r.info.run_id, key.removeprefix(TRAIN_PREFIX))] = key
+                latest[trainer_name(key)] = value
+                mlflow_key[(r.info.run_id, trainer_name(key))] = key
         runs.append(RunData(
             run_id=r.info.run_id, name=name, label=name if counts[name] == 1 else f"{name} ({r.info.run_id[:6]})",
             status="PRUNED" if r.data.tags.get("grpo.sweep.pruned") == "true" else r.info.status,
@@ -232,15 +233,27 @@ def _collect(client, mlflow_runs: list) -> list[RunData]:
     return runs
 
 
-_MAX_LEGEND_PARAMS = 3
+_MAX_LEGEND_PARAMS = 6  # more settings than this in a label no longer fit a legend's line: unrelated runs
+_NOT_SETTINGS = re.compile(r"(prep|plan|tracking)\..+|(.+\.)?output_dir")
+"""Params that do not set runs apart in a legend: figures a run measured (``prep.rows_valid``,
+``plan.generation_rounds``: they follow from the settings) and where it wrote (a sweep's trials write under their
+sweep's folder)."""
+
+
+def _plotted(run: RunData) -> bool:
+    """Whether the plots show the run: it logged training curves or an evaluation (a sweep's parent run did not)."""
+    return bool(run.history) or EVAL_BEFORE in run.latest or EVAL_AFTER in run.latest
 
 
 def legend_labels(runs: list[RunData]) -> list[str]:
-    """Plot labels: the values of the params that differ between the runs (``learning_rate=1e-05, beta=0.04``),
-    which is what tells sweep trials apart; a param is named by its last dotted part unless two differing params
-    share it. The unique run name when nothing differs, or more than three params do (unrelated runs of an
+    """Plot labels: the values of the settings that differ between the runs the plots show
+    (``learning_rate=1e-05, beta=0.04``), which is what tells sweep trials apart; a param is named by its last dotted
+    part unless two differing params share it. A param counts as differing when the runs that logged it have two
+    values (an older run without a newer param, or a sweep's parent run without the config's, does not make every
+    param differ). The unique run name when nothing differs, or more than six settings do (unrelated runs of an
     experiment), and appended when two runs still share a label."""
-    keys = differing_params(runs) if len(runs) > 1 else []
+    plotted = [r for r in runs if _plotted(r)]
+    keys = [k for k in varying_params(plotted) if not _NOT_SETTINGS.fullmatch(k)] if len(plotted) > 1 else []
     if not keys or len(keys) > _MAX_LEGEND_PARAMS:
         return [r.label for r in runs]
     last = [k.rsplit(".", 1)[-1] for k in keys]
@@ -311,13 +324,17 @@ def _eval_panel(runs: list[RunData]) -> tuple[str, int] | None:
         values = [r.latest.get(key) for r in with_eval]
         fig.add_trace(go.Bar(x=[r.legend for r in with_eval], y=values, name=label, marker_color=color,
                              text=[f"{v:.3f}" if v is not None else "" for v in values], textposition="outside",
-                             hovertemplate="%{x}<br>" + label + " %{y:.4f}<extra></extra>"))
+                             hovertemplate="%{x}<br>" + label + " %{y:.3f}<extra></extra>"))
     top = max((v for r in with_eval for k in (EVAL_BEFORE, EVAL_AFTER) if (v := r.latest.get(k)) is not None),
               default=1.0)
-    fig.update_layout(barmode="group", height=380, template="plotly_white", yaxis_title="greedy accuracy",
+    # labels too long to sit side by side are drawn slanted below the bars: the figure grows by their height, the
+    # bars keep theirs
+    longest = max(len(r.legend) for r in with_eval)
+    height = 380 + (int(3.4 * longest) if 7 * longest * len(with_eval) > 1100 else 0)
+    fig.update_layout(barmode="group", height=height, template="plotly_white", yaxis_title="greedy accuracy",
                       yaxis_range=[0, max(1.0, top) * 1.12], margin={"l": 50, "r": 20, "t": 30, "b": 40},
                       legend={"orientation": "h", "y": 1.08, "yanchor": "bottom"})
-    return _figure_html(fig, EVAL_DIV_ID, 380), len(fig.data)
+    return _figure_html(fig, EVAL_DIV_ID, height), len(fig.data)
 
 
 def _importance_panel(importances: dict) -> tuple[str, int] | None:
@@ -368,6 +385,11 @@ def _fmt(value: float | str | None) -> str:
     return human_number(value)
 
 
+def _metric(value: float | None) -> str:
+    """A metric's cell: 3 decimals, so a column's numbers line up (reward 0.760 next to accuracy 0.900)."""
+    return "—" if value is None else human_metric(value)
+
+
 def _fmt_seconds(seconds: float | None) -> str:
     if seconds is None:
         return "—"
@@ -377,12 +399,6 @@ def _fmt_seconds(seconds: float | None) -> str:
     if s < 3600:
         return f"{s // 60}m {s % 60:02d}s"
     return f"{s // 3600}h {s % 3600 // 60:02d}m"
-
-
-def differing_params(runs: list[RunData]) -> list[str]:
-    """Param keys whose value (missing counts as a value) is not the same in every run."""
-    keys = sorted({k for r in runs for k in r.params})
-    return [k for k in keys if len({r.params.get(k) for r in runs}) > 1]
 
 
 def varying_params(runs: list[RunData]) -> list[str]:
@@ -395,32 +411,33 @@ def varying_params(runs: list[RunData]) -> list[str]:
 
 def _pass_at_k(run: RunData) -> str:
     found = sorted((int(m.group(1)), v) for k, v in run.latest.items() if (m := _PASS_AT_K.fullmatch(k)))
-    return ", ".join(f"{_fmt(v)} (k={k})" for k, v in found) or "—"
+    return ", ".join(f"{_metric(v)} (k={k})" for k, v in found) or "—"
 
 
 def _table(runs: list[RunData], tracking_uri: str, experiment_id: str, now_ms: int) -> str:
     params = varying_params(runs) if len(runs) > 1 else []
     e = html.escape
-    head = ["run", "status", *params, "steps", "final reward", "eval accuracy before", "eval accuracy after",
-            "pass@k after", "wall time"]
+    # the results first: a table of many params scrolls sideways, and its eval columns were past the page's edge
+    head = ["run", "status", "eval accuracy before", "eval accuracy after", "pass@k after", "final reward", "steps",
+            "wall time", *params]
     out = ['<table id="final-metrics" class="metrics">', "<thead><tr>"]
     out += [f'<th{" class=param" if h in params else ""}>{e(h)}</th>' for h in head]
     out.append("</tr></thead><tbody>")
     for r in runs:
+        wall = r.wall_seconds(now_ms)
         cells = [f'<td class="run"><span class="swatch" style="background:{r.color}"></span>'
                  f'<a href="{e(mlflow_ui_url(tracking_uri, experiment_id, r.run_id))}" title="{e(r.run_id)}">'
                  f"{e(r.label)}</a></td>",
-                 f'<td class="status status-{e(r.status.lower())}">{e(r.status)}</td>']
+                 f'<td class="status status-{e(r.status.lower())}">{e(r.status)}</td>',
+                 f"<td>{_metric(r.latest.get(EVAL_BEFORE))}</td>", f"<td>{_metric(r.latest.get(EVAL_AFTER))}</td>",
+                 f"<td>{e(_pass_at_k(r))}</td>", f"<td>{_metric(r.latest.get('reward'))}</td>",
+                 f"<td>{_fmt(r.steps())}</td>",
+                 f"<td>{_fmt_seconds(wall)}{' (running)' if r.status == 'RUNNING' else ''}</td>"]
         for p in params:
             value = r.params.get(p)
             short = value if value is None else human_number(value)
             short = short if short is None or len(short) <= 40 else short[:37] + "..."
             cells.append(f'<td class="param" title="{e(value or "")}">{e(short) if short is not None else "—"}</td>')
-        wall = r.wall_seconds(now_ms)
-        cells += [f"<td>{_fmt(r.steps())}</td>", f"<td>{_fmt(r.latest.get('reward'))}</td>",
-                  f"<td>{_fmt(r.latest.get(EVAL_BEFORE))}</td>", f"<td>{_fmt(r.latest.get(EVAL_AFTER))}</td>",
-                  f"<td>{e(_pass_at_k(r))}</td>",
-                  f"<td>{_fmt_seconds(wall)}{' (running)' if r.status == 'RUNNING' else ''}</td>"]
         out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</tbody></table>")
     if len(runs) > 1 and not params:
@@ -447,6 +464,8 @@ table.metrics { border-collapse: collapse; font-size: 13px; width: 100%; }
 table.metrics th, table.metrics td { border-bottom: 1px solid #e4e7eb; padding: 6px 8px; text-align: right;
                                      white-space: nowrap; }
 table.metrics th { background: #f0f2f5; position: sticky; top: 0; }
+table.metrics td.run, table.metrics th:first-child { position: sticky; left: 0; background: #fff; z-index: 1; }
+table.metrics th:first-child { background: #f0f2f5; z-index: 2; }
 table.metrics td.run, table.metrics th:first-child, table.metrics .param, table.metrics .status,
 table.metrics th:nth-child(2) { text-align: left; }
 th.param, td.param { color: #3e4c59; font-family: ui-monospace, Menlo, Consolas, monospace; }
@@ -588,6 +607,6 @@ def log_dashboard(tracker_or_client: Any, run_id: str | None, path: str | Path,
     return f"{artifact_path}/{path.name}" if artifact_path else path.name
 
 
-__all__ = ["DashboardError", "build_dashboard", "differing_params", "legend_labels", "log_dashboard", "render",
+__all__ = ["DashboardError", "build_dashboard", "legend_labels", "log_dashboard", "render",
            "varying_params"]
 

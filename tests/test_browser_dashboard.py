@@ -15,7 +15,7 @@ from grpo.tracking.run_tracking import eval_metrics, log_numbers, log_plan, log_
 from grpo.tracking.store import mlflow_ui_url
 from grpo.tracking.tracker import MlflowCallback, MlflowTracker
 from tests.conftest import REPO
-from tests.test_dashboard import SWEEP_PLOTS, SWEEP_RUNS, make_experiment
+from tests.test_dashboard import SWEEP_PLOTS, SWEEP_RUNS, TINY_LEGENDS, make_experiment, make_tiny_experiment
 
 pytestmark = pytest.mark.integration
 
@@ -79,6 +79,37 @@ def test_dashboard_renders_in_chromium(tmp_path, mlflow_server):
     assert SCREENSHOT.stat().st_size > 10_000
 
 
+def test_experiment_dashboard_shows_settings_and_eval_columns_in_chromium(tmp_path, mlflow_server):
+    """The experiment view of #44 (two demo runs and two sweeps, 11 runs) in Chromium at 1280x900: the reward plot's
+    legend names the runs by the settings that differ (it listed the run names), and the final-metrics table shows
+    its eval columns within the page (they were past its right edge, behind 8 param columns): each header cell's box
+    lies inside the viewport and inside the table's scroll area. Screenshot: test-output/dashboard-experiment.png."""
+    from playwright.sync_api import sync_playwright
+
+    exp = make_tiny_experiment(mlflow_server.uri)
+    page_file = build_dashboard(mlflow_server.uri, exp["experiment"], out=tmp_path / "experiment.html")
+    shot = REPO / "test-output" / "dashboard-experiment.png"
+    with sync_playwright() as p:
+        browser, page = _chromium_page(p, 1280, 900)
+        try:
+            page.goto(page_file.as_uri(), wait_until="load")
+            page.wait_for_function("document.querySelector('#panel-reward svg.main-svg')", timeout=20_000)
+            legend = page.locator("#panel-reward .legend .legendtext").all_text_contents()
+            page.locator("#final-metrics").scroll_into_view_if_needed()
+            wrap = page.locator("#final-metrics-section .table-wrap").bounding_box()
+            boxes = {h: page.locator("#final-metrics th", has_text=re.compile(rf"^{re.escape(h)}$")).bounding_box()
+                     for h in ("run", "eval accuracy before", "eval accuracy after", "pass@k after", "final reward")}
+            shot.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(shot))
+        finally:
+            browser.close()
+
+    assert legend == TINY_LEGENDS
+    viewport_right = min(1280, wrap["x"] + wrap["width"])
+    for header, box in boxes.items():
+        assert box and box["x"] >= wrap["x"] and box["x"] + box["width"] <= viewport_right, (header, box, wrap)
+
+
 # What a GRPO run logs through the trainer (TRL's names, as in a run's metrics.jsonl).
 TRAINER_KEYS = ("clip_ratio/high_max", "clip_ratio/high_mean", "clip_ratio/low_mean", "clip_ratio/low_min",
                 "clip_ratio/region_mean", "completions/clipped_ratio", "completions/mean_length", "entropy", "epoch",
@@ -102,6 +133,10 @@ def _log_run(uri: str, tmp_path: Path, name: str, lr: float, after: float, model
     PREP["data_dir"] = str(tmp_path / "data")
     log_prep(tracker, PREP)
     log_plan(tracker, PLAN)
+    # the system metrics sampler's first sample: in a run it comes while the evaluation before training runs (logged
+    # here the way the sampler logs it, so the order is forced rather than raced)
+    tracker.log_metrics({"system/cpu_utilization_percentage": 50.0 + lr * 1e5,
+                         "system/system_memory_usage_percentage": 40.0}, step=0)
     log_numbers(tracker, eval_metrics({"accuracy": 0.2, "pass@4": 0.4}), step=0)
     callback, state = MlflowCallback(tracker), TrainerState()
     for step in range(1, STEPS + 1):
@@ -171,11 +206,14 @@ def test_mlflow_ui_opens_on_the_result(mlflow_server, mlflow_ui_runs):
     * the experiment opens on its runs, not MLflow 3's GenAI overview (3.17.2 picks the view from the link's
       workflowType, not from the experiment's mlflow.experimentKind tag);
     * the run's "Model metrics" tab opens on eval/accuracy, one chart of two points (before and after training), then
-      the train curves with train/reward among them; no single-value prep/plan charts (those figures are params);
+      the train section on train/reward and train/reward_std (it was the 8th chart, behind TRL's other figures, now
+      in train/aux); no single-value prep/plan charts (those figures are params);
+    * the experiment's Models list names each logged model after its run (every one was "model");
     * the logged model's page lists the evaluation after training and the run's params;
-    * Compare opens on a metric that varies between the runs (eval/accuracy), not a constant row count.
+    * Compare opens on a metric that varies between the runs (eval/accuracy), not a constant row count, nor the
+      system metric sampled before the evaluation (system/cpu_utilization_percentage).
     Screenshots: test-output/mlflow-experiment.png, mlflow-run-metrics.png, mlflow-run-train-metrics.png,
-    mlflow-logged-model.png, mlflow-compare.png."""
+    mlflow-models.png, mlflow-logged-model.png, mlflow-compare.png."""
     from playwright.sync_api import sync_playwright
 
     uri, experiment_id = mlflow_server.uri, mlflow_ui_runs["experiment_id"]
@@ -206,6 +244,14 @@ def test_mlflow_ui_opens_on_the_result(mlflow_server, mlflow_ui_runs):
             cards = _chart_titles_in_page_order(page, until="reward")
             page.screenshot(path=str(out / "mlflow-run-train-metrics.png"))
 
+            page.goto(f"{uri}/#/experiments/{experiment_id}/models?workflowType=machine_learning", wait_until="load",
+                      timeout=60_000)
+            page.get_by_text("ui-b").first.wait_for(timeout=60_000)
+            # the links of the grid's "Model name" column (ag-grid column id "name")
+            model_names = page.eval_on_selector_all(".ag-row [col-id=name] a", "links => links.map(a => a.innerText)")
+            models_text = page.locator("body").inner_text()
+            page.screenshot(path=str(out / "mlflow-models.png"))
+
             page.goto(f"{uri}/#/experiments/{experiment_id}/models/{mlflow_ui_runs['model']}?workflowType="
                       "machine_learning", wait_until="load", timeout=60_000)
             page.get_by_text(re.compile(r"^Parameters \(\d+\)$")).first.wait_for(timeout=60_000)
@@ -231,10 +277,14 @@ def test_mlflow_ui_opens_on_the_result(mlflow_server, mlflow_ui_runs):
     sections = [lines[i - 1] for i in range(1, len(lines)) if re.fullmatch(r"\(\d+\)", lines[i].strip())]
     assert sections[0] == "eval" and lines[lines.index("eval") + 1] == "(2)", sections  # accuracy, pass_at_4
     assert not {"prep", "plan"} & set(sections), sections
-    assert sections.index("train") < sections.index("train/clip_ratio"), sections
-    assert cards[:2] == ["accuracy", "pass_at_4"], cards
-    assert "reward" in cards and cards.index("reward") < 12, cards  # the train curves right after eval's two
+    assert sections[1:3] == ["train", "train/aux"] and lines[lines.index("train") + 1] == "(2)", sections
+    assert sections.index("train/aux") < sections.index("train/clip_ratio"), sections
+    # the train curves right after eval's two, train/reward first
+    assert cards[:4] == ["accuracy", "pass_at_4", "reward", "reward_std"], cards
     assert first_chart and set(first_chart) == {2}, first_chart  # eval/accuracy: before and after, one line
+
+    # the Models list: each run's model by the run's name
+    assert sorted(model_names) == ["ui-a", "ui-b"], (model_names, models_text[:2000])
 
     # the logged model: the evaluation after training (0.6 for ui-a... this is ui-b: 0.7) and the run's params
     metrics = model_lines[model_lines.index("eval/accuracy"):model_lines.index("eval/accuracy") + 8]

@@ -96,6 +96,72 @@ def make_experiment(uri: str) -> dict:
             "baseline": baseline.info.run_id}
 
 
+# (run name, config overrides, parent) of an experiment as `make demo` and two example sweeps leave it: 11 runs, 9 with
+# training curves, as in the report of #44
+TINY_RUNS = (
+    [(f"tiny-demo-{i}", {}, None) for i in (1, 2)]
+    + [(f"tiny-lr-beta-t{t:03d}", {"grpo.learning_rate": lr, "grpo.beta": beta, "grpo.max_steps": 60,
+                                   "output_dir": "runs/tiny-lr-beta"}, "tiny-lr-beta")
+       for t, (lr, beta) in enumerate([(1e-4, 0.0), (1e-4, 0.04), (3e-4, 0.0), (3e-4, 0.04)])]
+    + [(f"tiny-tpe-t{t:03d}", {"grpo.learning_rate": lr, "grpo.beta": beta, "grpo.temperature": temp,
+                               "grpo.max_steps": 60, "output_dir": "runs/tiny-tpe"}, "tiny-tpe")
+       for t, (lr, beta, temp) in enumerate([(0.0002612293709960431, 0.0123, 0.7), (3.3e-5, 0.071, 1.0),
+                                             (0.000112, 0.0401, 0.7)])])
+TINY_LEGENDS = ["beta=0, learning_rate=1e-4, max_steps=150, temperature=1 (tiny-demo-1)",
+                "beta=0, learning_rate=1e-4, max_steps=150, temperature=1 (tiny-demo-2)",
+                "beta=0, learning_rate=1e-4, max_steps=60, temperature=1",
+                "beta=0.04, learning_rate=1e-4, max_steps=60, temperature=1",
+                "beta=0, learning_rate=3e-4, max_steps=60, temperature=1",
+                "beta=0.04, learning_rate=3e-4, max_steps=60, temperature=1",
+                "beta=0.0123, learning_rate=2.61e-4, max_steps=60, temperature=0.7",
+                "beta=0.071, learning_rate=3.3e-5, max_steps=60, temperature=1",
+                "beta=0.0401, learning_rate=1.12e-4, max_steps=60, temperature=0.7"]
+
+
+def make_tiny_experiment(uri: str) -> dict:
+    """:data:`TINY_RUNS` in a new experiment, each run with what the platform logs: every config param of the tiny
+    preset (with its overrides), the prep and plan figures as params, ``train/reward`` and ``train/reward_std`` per step
+    and ``eval/accuracy`` / ``eval/pass_at_4`` before and after; each sweep's parent run with its own params only."""
+    from grpo.config import flatten
+    from grpo.config.loading import load_config
+    from grpo.tracking.run_tracking import plan_params, prep_params
+    from grpo.tracking.values import param_value
+
+    client = MlflowClient(uri)
+    name = f"grpo-tiny-{uuid.uuid4().hex[:8]}"
+    exp_id = client.create_experiment(name)
+    t0 = int(time.time() * 1000) - 3_600_000
+    base = flatten(load_config("tiny"))
+    parents = {}
+    for sweep, sampler, trials in (("tiny-lr-beta", "grid", 4), ("tiny-tpe", "tpe", 3)):
+        run = client.create_run(exp_id, run_name=sweep, start_time=t0, tags={"grpo.sweep": sweep})
+        client.log_batch(run.info.run_id, params=[Param("sweep.sampler", sampler), Param("sweep.trials", str(trials))])
+        client.set_terminated(run.info.run_id, "FINISHED", end_time=t0 + 900_000)
+        parents[sweep] = run.info.run_id
+    for i, (run_name, overrides, parent) in enumerate(TINY_RUNS):
+        tags = {"mlflow.parentRunId": parents[parent]} if parent else {}
+        run = client.create_run(exp_id, run_name=run_name, start_time=t0 + i * 60_000, tags=tags)
+        steps = overrides.get("grpo.max_steps", base["grpo.max_steps"])
+        params = {**base, **overrides,
+                  **prep_params({"rows_in": 5500, "rows_valid": 5500, "rows_quarantined": 0,
+                                 "prompt_chars": {"min": 4, "mean": 5.5, "max": 6}}),
+                  **plan_params({"generation_rounds": steps, "epochs": 1,
+                                 "predicted_imbalance": {"plan_order": {"max_over_mean": 1.0312345}}})}
+        items = [Param(k, param_value(v)) for k, v in params.items()]
+        for at in range(0, len(items), 100):  # MLflow takes 100 params per batch
+            client.log_batch(run.info.run_id, params=items[at:at + 100])
+        after = 0.5 + 0.04 * i
+        metrics = [Metric("eval/accuracy", 0.3, t0, 0), Metric("eval/pass_at_4", 0.5, t0, 0),
+                   Metric("eval/accuracy", after, t0 + 30_000, steps),
+                   Metric("eval/pass_at_4", min(1.0, after + 0.2), t0 + 30_000, steps)]
+        for s in range(10, steps + 1, 10):
+            metrics += [Metric("train/reward", 0.3 + 0.5 * s / steps + 0.01 * i, t0 + s * 1000, s),
+                        Metric("train/reward_std", 0.4 - 0.2 * s / steps, t0 + s * 1000, s)]
+        client.log_batch(run.info.run_id, metrics=metrics)
+        client.set_terminated(run.info.run_id, "FINISHED", end_time=t0 + i * 60_000 + 300_000)
+    return {"experiment": name, "experiment_id": exp_id}
+
+
 @pytest.fixture(scope="module")
 def experiment(mlflow_server):
     return make_experiment(mlflow_server.uri)
@@ -151,16 +217,17 @@ def test_sweep_dashboard_is_one_self_contained_html(tmp_path, mlflow_server, exp
 
     table = page[page.index('<table id="final-metrics"'):page.index("</table>")]
     header = re.findall(r"<th[^>]*>([^<]*)</th>", table)
-    # Only the params that differ; model.name and seed are the same everywhere.
-    assert header == ["run", "status", "grpo.learning_rate", "grpo.num_generations", "steps", "final reward",
-                      "eval accuracy before", "eval accuracy after", "pass@k after", "wall time"]
+    # The results first, then only the params that differ; model.name and seed are the same everywhere.
+    assert header == ["run", "status", "eval accuracy before", "eval accuracy after", "pass@k after", "final reward",
+                      "steps", "wall time", "grpo.learning_rate", "grpo.num_generations"]
     rows = re.findall(r"<tr>(.*?)</tr>", table[table.index("<tbody>"):], re.S)
     assert len(rows) == 3
     cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in rows]
     first = cells[0]
-    assert "lr-1e-5" in first[0] and first[1] == "FINISHED" and first[2] == "1e-5" and first[3] == "4"
-    assert first[4] == "20" and first[6] == "0.3" and first[7] == "0.4" and first[8] == "0.6 (k=8)"
-    assert first[9] == "12m 34s"
+    assert "lr-1e-5" in first[0] and first[1] == "FINISHED"
+    # metrics with 3 decimals each (reward 0.7602 stood next to accuracy 0.9), the step count as a count
+    assert first[2:5] == ["0.300", "0.400", "0.600 (k=8)"] and re.fullmatch(r"0\.\d{3}", first[5]), first
+    assert first[6:10] == ["20", "12m 34s", "1e-5", "4"]
     assert cells[2][1] == "FAILED"
 
 
@@ -176,11 +243,35 @@ def test_experiment_dashboard_has_every_run(tmp_path, mlflow_server, experiment)
     # config's params, the baseline only one): model.name, seed and max_grad_norm are the same wherever logged
     table = page[page.index('<table id="final-metrics"'):page.index("</table>")]
     header = re.findall(r"<th[^>]*>([^<]*)</th>", table)
-    assert header == ["run", "status", "grpo.learning_rate", "grpo.num_generations", "steps", "final reward",
-                      "eval accuracy before", "eval accuracy after", "pass@k after", "wall time"]
+    assert header == ["run", "status", "eval accuracy before", "eval accuracy after", "pass@k after", "final reward",
+                      "steps", "wall time", "grpo.learning_rate", "grpo.num_generations"]
     rows = {re.search(r'title="[^"]+">([^<]+)</a>', row).group(1): re.findall(r"<td[^>]*>(.*?)</td>", row)
             for row in re.findall(r"<tr>(.*?)</tr>", table[table.index("<tbody>"):], re.S)}
-    assert [rows[n][2] for n in ("baseline-other", "lr-1e-5", "lr-1e-4", "sweep-lr")] == ["5e-6", "1e-5", "1e-4", "—"]
+    assert [rows[n][8] for n in ("baseline-other", "lr-1e-5", "lr-1e-4", "sweep-lr")] == ["5e-6", "1e-5", "1e-4", "—"]
+    # the plots name the runs by the params that differ among the runs that logged them (the parent, without the
+    # config's params, and the baseline, with one, made every param differ: the legends were the run names)
+    reward = [t for t in plot_traces(page)["panel-reward"] if t["yaxis"] == "y"]
+    assert sorted(t["name"] for t in reward) == ["learning_rate=1e-4, num_generations=8",  # (two start together)
+                                                 "learning_rate=1e-5, num_generations=4",
+                                                 "learning_rate=3e-5, num_generations=4",
+                                                 "learning_rate=5e-6, num_generations=—"]
+
+
+def test_experiment_dashboard_of_demo_and_sweep_runs_names_them_by_their_settings(tmp_path, mlflow_server):
+    """The experiment of #44 (two demo runs and two sweeps, 11 runs): the legends say which settings each run had,
+    not its name; the measured prep/plan figures and the output folder do not count as settings. The final-metrics
+    table leads with the eval columns; the 8 params that differ between the runs follow."""
+    exp = make_tiny_experiment(mlflow_server.uri)
+    page = build_dashboard(mlflow_server.uri, exp["experiment"], out=tmp_path / "tiny.html").read_text()
+    assert re.search(r'id="run-count">11 runs, 9 with training curves<', page)
+    reward = [t for t in plot_traces(page)["panel-reward"] if t["yaxis"] == "y"]
+    assert [t["name"] for t in reward] == TINY_LEGENDS
+    assert plot_traces(page)["panel-eval"][1]["x"] == TINY_LEGENDS
+    table = page[page.index('<table id="final-metrics"'):page.index("</table>")]
+    assert re.findall(r"<th[^>]*>([^<]*)</th>", table) == [
+        "run", "status", "eval accuracy before", "eval accuracy after", "pass@k after", "final reward", "steps",
+        "wall time", "grpo.beta", "grpo.learning_rate", "grpo.max_steps", "grpo.temperature", "output_dir",
+        "plan.generation_rounds", "sweep.sampler", "sweep.trials"]
 
 
 def test_human_number():
@@ -278,18 +369,27 @@ def test_legend_labels_name_runs_by_the_params_that_differ():
     def run(name: str, **params: str) -> RunData:
         return RunData(run_id=name, name=name, label=name, status="FINISHED", start_ms=None, end_ms=None,
                        params={"model.name": "tiny", **{k.replace("__", "."): v for k, v in params.items()}},
-                       latest={})
+                       latest={}, history={"reward": [(1, 0.5)]})
 
     # the same last part in two sections: the full key names both
     runs = [run("a", grpo__beta="0.0", warm__beta="1"), run("b", grpo__beta="0.04", warm__beta="1"),
             run("c", grpo__beta="0.04", warm__beta="2")]
     assert legend_labels(runs) == ["grpo.beta=0, warm.beta=1", "grpo.beta=0.04, warm.beta=1",
                                    "grpo.beta=0.04, warm.beta=2"]
-    # a param one run lacks differs too; two runs with the same values keep their names
-    runs = [run("a", grpo__lr="1"), run("b", grpo__lr="1"), run("c")]
-    assert legend_labels(runs) == ["lr=1 (a)", "lr=1 (b)", "lr=—"]
-    # unrelated runs (more than three params differ) and identical ones keep their names
-    many = [run("a", p1="1", p2="1", p3="1", p4="1"), run("b", p1="2", p2="2", p3="2", p4="2")]
+    # a param one run lacks (an older run) does not set the others apart; one with two values does, and the run
+    # without it reads "—"; two runs with the same values keep their names
+    assert legend_labels([run("a", grpo__lr="1"), run("b", grpo__lr="1"), run("c")]) == ["a", "b", "c"]
+    runs = [run("a", grpo__lr="1"), run("b", grpo__lr="1"), run("c", grpo__lr="2"), run("d")]
+    assert legend_labels(runs) == ["lr=1 (a)", "lr=1 (b)", "lr=2", "lr=—"]
+    # measured figures and the output folder are no settings; the runs without curves (sweeps' parents) are not in
+    # the plots, and their params do not count
+    parents = [RunData(run_id=p, name=p, label=p, status="FINISHED", start_ms=None, end_ms=None,
+                       params={"sweep.sampler": p}, latest={}) for p in ("grid", "tpe")]
+    runs = [run("a", grpo__lr="1", plan__epochs="1", output_dir="x"), run("b", grpo__lr="2", plan__epochs="2"),
+            *parents]
+    assert legend_labels(runs) == ["lr=1", "lr=2", "lr=— (grid)", "lr=— (tpe)"]
+    # unrelated runs (more than six params differ) and identical ones keep their names
+    many = [run("a", **{f"p{i}": "1" for i in range(7)}), run("b", **{f"p{i}": "2" for i in range(7)})]
     assert legend_labels(many) == ["a", "b"]
     assert legend_labels([run("a"), run("b")]) == ["a", "b"] and legend_labels([run("solo", x="1")]) == ["solo"]
 

@@ -227,12 +227,12 @@ def test_a_lora_run_logs_the_adapter_and_the_merged_model_to_mlflow(tmp_path):
     assert mlrun.info.status == "FINISHED"
     assert mlrun.data.params["model.lora.enabled"] == "True" and mlrun.data.params["model.lora.r"] == "4"
     names = {m.name for m in client.search_logged_models(experiment_ids=[mlrun.info.experiment_id])}
-    assert names == {"model", "merged_model"}, names
+    assert names == {"tracked", "tracked-merged"}, names  # named after the run
 
     mlflow.set_tracking_uri(store)
     try:
-        adapter = mlflow.transformers.load_model(f"runs:/{summary['mlflow_run_id']}/model", return_type="components")
-        merged = mlflow.transformers.load_model(f"runs:/{summary['mlflow_run_id']}/merged_model",
+        adapter = mlflow.transformers.load_model(f"runs:/{summary['mlflow_run_id']}/tracked", return_type="components")
+        merged = mlflow.transformers.load_model(f"runs:/{summary['mlflow_run_id']}/tracked-merged",
                                                 return_type="components")
     finally:
         mlflow.set_tracking_uri(None)

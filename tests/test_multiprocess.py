@@ -255,7 +255,7 @@ def test_torchrun_seqlen_balancing_exchanges_groups_and_logs_balance(tmp_path, m
     summary = json.loads((tmp_path / "balanced" / "summary.json").read_text())
     run = MlflowClient(mlflow_server.uri).get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["grpo.world_size"] == "2"
-    assert {"train/balance/imbalance", "train/balance/max_tokens", "train/skipped_zero_adv_batches",
+    assert {"train/balance/imbalance", "train/balance/max_tokens", "train/aux/skipped_zero_adv_batches",
             "train/reward"} <= set(run.data.metrics), sorted(run.data.metrics)
     assert run.data.params["sampling.world_size"] == "2" and {"prep.rows_in", "plan.generation_rounds"} <= set(
         run.data.params)

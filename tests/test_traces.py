@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 from mlflow import MlflowClient
@@ -15,6 +16,7 @@ from grpo.environments import register_environment
 from grpo.environments.base import Environment, StepResult, ToolCall
 from grpo.tracking.traces import DROPPED_METRIC, WRITTEN_METRIC
 from grpo.tracking.tracker import MlflowCallback, MlflowTracker
+from tests.browser import CHROMIUM, CHROMIUM_ARGS, SCREENSHOTS, require_chromium
 from tests.servers import MlflowServer
 from tests.trainers import environment_trainer
 
@@ -87,6 +89,7 @@ def test_sampled_episodes_are_traces_of_the_run(tmp_path, mlflow_server):
     assert run.data.metrics[DROPPED_METRIC] == 0
     assert sorted(int(t.info.tags["step"]) for t in traces) == sorted(r["step"] for r in records)
     tool_calls = 0
+    timed = False
     for trace in traces:
         assert trace.info.trace_metadata["mlflow.sourceRun"] == run_id
         spans = trace.data.spans
@@ -105,8 +108,58 @@ def test_sampled_episodes_are_traces_of_the_run(tmp_path, mlflow_server):
             assert tool.name == "probe" and tool.parent_id in by_turn
             assert tool.attributes["status"] == ("ok" if by_turn[tool.parent_id] % 2 else "error")
         tool_calls += len(tools)
+        # the runner's measured times (they were laid out on a clock where a turn took no time): a turn from its
+        # batched generate call to the end of its environment step, a tool call its latency inside that step
+        turns = {s.span_id: s for s in chats}
+        for chat in chats:  # (times come back with float precision: ~0.3 µs)
+            assert chat.attributes["generate_s"] > 0 and chat.attributes["step_s"] > 0, chat.to_dict()
+            laid_out = (chat.attributes["generate_s"] + 0.001) * 1e9  # the generation, then the probe's 0.001 s
+            assert chat.end_time_ns - chat.start_time_ns >= laid_out - 1e3, chat.to_dict()
+            assert root.start_time_ns <= chat.start_time_ns and chat.end_time_ns <= root.end_time_ns
+        for tool in tools:
+            turn = turns[tool.parent_id]
+            assert tool.end_time_ns - tool.start_time_ns == pytest.approx(1e6, abs=1e3)  # the probe's 0.001 s
+            assert turn.start_time_ns <= tool.start_time_ns and tool.end_time_ns <= turn.end_time_ns
+        timed = timed or len(chats) > 1
+    assert timed
     assert tool_calls == sum(len(r["tool_calls"]) for r in records)
     json.dumps(records)  # plain data: nothing of MLflow or torch in what the trainer hands over
+
+    # what a person sees: the trace's span tree in MLflow's UI gives each turn its time, the model's generation
+    # included (a turn read 0.00ms, or just its tool calls' latency: the probe's 1.00ms)
+    longest = max(traces, key=lambda t: len(t.data.spans))
+    shown = trace_span_durations(mlflow_server.uri, run.info.experiment_id, longest.info.trace_id)
+    assert [name for name, _ in shown] == [s.name for s in longest.data.spans], shown
+    assert all(ms > 0 for _, ms in shown), shown
+    turns_shown = [i for i, (name, _) in enumerate(shown) if name.startswith("turn ")]
+    for at, end in zip(turns_shown, [*turns_shown[1:], len(shown)]):
+        assert shown[at][1] > sum(ms for _, ms in shown[at + 1:end]), shown  # more than its tool calls
+
+
+def trace_span_durations(uri: str, experiment_id: str, trace_id: str) -> list[tuple[str, float]]:
+    """(span name, duration in ms) of each row of a trace's span tree in MLflow's UI, opened in Chromium from the
+    experiment's Traces tab, as a person opens it (screenshot: test-output/mlflow-trace.png)."""
+    from playwright.sync_api import sync_playwright
+
+    require_chromium()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{uri}/#/experiments/{experiment_id}/traces?selectedEvaluationId={trace_id}",
+                      wait_until="load", timeout=60_000)
+            page.get_by_text("turn 1", exact=True).first.wait_for(timeout=60_000)
+            lines = [line.strip() for line in page.locator("body").inner_text().splitlines()]
+            page.screenshot(path=str(SCREENSHOTS / "mlflow-trace.png"))
+        finally:
+            browser.close()
+    # the tree: each span's name, then its duration ("0.18s", "1.00ms"), after the "Spans" heading
+    tree = lines[lines.index("Spans") + 1:]
+    out = []
+    for name, duration in zip(tree, tree[1:]):
+        if m := re.fullmatch(r"([\d.]+)(ms|s)", duration):
+            out.append((name, float(m.group(1)) * (1000 if m.group(2) == "s" else 1)))
+    return out
 
 
 def test_training_runs_to_its_end_with_the_tracking_server_down(tmp_path):

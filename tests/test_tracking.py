@@ -12,6 +12,7 @@ from mlflow import MlflowClient
 from transformers import TrainerControl, TrainerState
 
 from grpo.config import flatten, load_config
+from grpo.tracking.metric_keys import read_run_metric, train_key
 from grpo.tracking.model_logging import log_model, use_tracking_uri
 from grpo.tracking.store import TrackingError, resolve_tracking_uri
 from grpo.tracking.tracker import MlflowCallback, MlflowTracker, log_metrics_file, tracker_from_config
@@ -83,10 +84,13 @@ def test_metrics_params_tags_artifacts_round_trip(mlflow_server, make_tracker, t
     other.start("late", f"untagged-{run_id[:8]}")
     assert other.close(timeout=10)
     assert client.get_experiment(old_exp).tags["mlflow.experimentKind"] == "custom_model_development"
-    for key in ("loss", "reward", "learning_rate", "epoch", "eval_pass_at_8"):  # the trainer's, under train/
-        assert history_steps(client, run_id, f"train/{key}") == list(range(1, 31)), key
-    assert not {"train/grad_norm", "train/note", "reward", "loss"} & set(run.data.metrics)  # NaN, non-numbers skipped
-    loss = {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")}
+    # the trainer's, under train/: the reward's first, the other top-level figures in train/aux
+    assert [train_key(k) for k in ("reward", "loss", "learning_rate")] == [
+        "train/reward", "train/aux/loss", "train/aux/learning_rate"]
+    for key in ("loss", "reward", "learning_rate", "epoch", "eval_pass_at_8"):
+        assert history_steps(client, run_id, train_key(key)) == list(range(1, 31)), key
+    assert not {train_key("grad_norm"), train_key("note"), "reward", "loss"} & set(run.data.metrics)  # NaN, text
+    loss = {m.step: m.value for m in client.get_metric_history(run_id, "train/aux/loss")}
     assert loss[4] == pytest.approx(0.25)
     assert {m.step: m.value for m in client.get_metric_history(run_id, "eval/accuracy")} == {0: 0.25, 30: 0.75}
     assert any(k.startswith("system/cpu_utilization_percentage") for k in run.data.metrics)
@@ -104,6 +108,27 @@ def test_metrics_params_tags_artifacts_round_trip(mlflow_server, make_tracker, t
     assert {"results/summary.json", "config/resolved.json", "samples/eval.json"} <= paths
     table = json.loads(Path(client.download_artifacts(run_id, "samples/eval.json", str(tmp_path / "dl"))).read_text())
     assert table["columns"] == ["prompt", "completion"] and len(table["data"]) == 2
+
+
+def test_system_metrics_follow_the_runs_first_own_metric(mlflow_server, make_tracker, tmp_path):
+    """MLflow keeps a run's metric keys in the order they arrived and its Compare page plots the first one: the system
+    metrics sampler's first sample (logged here as it logs it, before the evaluation that comes in a run after a few
+    seconds) waits for the run's own first metric; a run that logs none of its own gets its samples at close."""
+    client = MlflowClient(mlflow_server.uri)
+    tracker = make_tracker(mlflow_server.uri, tmp_path / "a")
+    run_id = tracker.start("system-first", "grpo-test")
+    tracker.log_metrics({"system/cpu_utilization_percentage": 5.0}, step=0)
+    tracker.log_metrics({"eval/accuracy": 0.2, "eval/pass_at_4": 0.5}, step=0)
+    tracker.log_metrics({"system/cpu_utilization_percentage": 7.0}, step=1)
+    assert tracker.close(timeout=10)
+    assert list(client.get_run(run_id).data.metrics)[:2] == ["eval/accuracy", "eval/pass_at_4"]
+    assert history_steps(client, run_id, "system/cpu_utilization_percentage") == [0, 1]
+
+    alone = make_tracker(mlflow_server.uri, tmp_path / "b")
+    run_id = alone.start("system-only", "grpo-test")
+    alone.log_metrics({"system/cpu_utilization_percentage": 5.0}, step=0)
+    assert alone.close(timeout=10)
+    assert history_steps(client, run_id, "system/cpu_utilization_percentage") == [0]
 
 
 def test_server_outage_buffers_and_delivers_exactly_once(make_tracker, tmp_path):
@@ -279,6 +304,7 @@ def test_log_model_transformers_flavour_offline(mlflow_server, make_tracker, tmp
     assert [o.model_id for o in outputs] == [info.model_id]
     logged = client.get_logged_model(info.model_id)
     assert logged.source_run_id == run_id and str(logged.status) in ("READY", "LoggedModelStatus.READY")
+    assert logged.name == "with-model"  # the run's name: every run's model was "model" in the Models list
     # the model's page shows the evaluation after training (step 3), not the one before, and the run's params
     linked = {m.key: (m.step, m.value) for m in logged.metrics}
     assert linked["eval/accuracy"] == (3, 0.75) and linked["eval/pass_at_4"] == (3, 0.9), linked
@@ -289,7 +315,7 @@ def test_log_model_transformers_flavour_offline(mlflow_server, make_tracker, tmp
     assert {"MLmodel", "model", "components"} <= files, files
 
     with use_tracking_uri(mlflow_server.uri):
-        pipe = mlflow.transformers.load_model(f"runs:/{run_id}/model")
+        pipe = mlflow.transformers.load_model(f"runs:/{run_id}/with-model")  # named after its run
     out = pipe("1+2=", max_new_tokens=2, do_sample=False)
     assert out[0]["generated_text"].startswith("1+2=")
 
@@ -322,7 +348,9 @@ def test_embedded_sqlite_default(make_tracker, tmp_path, monkeypatch):
     assert (tmp_path / "mlflow.db").is_file()
     client = MlflowClient(uri)
     assert history_steps(client, run_id, "loss") == list(range(5))
-    assert history_steps(client, run_id, "train/loss") == [2, 4, 6]
+    assert history_steps(client, run_id, "train/aux/loss") == [2, 4, 6]
+    # a sweep's --metric reads a trainer figure under either naming (runs logged before train/aux/ have train/loss)
+    assert read_run_metric(client, run_id, "train/loss") == read_run_metric(client, run_id, "train/aux/loss") == 1 / 6
     run = client.get_run(run_id)
     assert sum(k.startswith("probe/") for k in run.data.metrics) == 1500 and run.data.metrics["probe/1499"] == 1499.0
     # Resending a batch whose reply was lost is harmless: the SQL store ignores an exact (key, step, ts, value) repeat.

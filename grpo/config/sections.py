@@ -187,7 +187,7 @@ class LoraSection(_Section):
         "or lm_head: TRL computes log-probs from lm_head.weight directly.")
     save_merged: bool = Field(
         False, description="Also write the adapter merged into its base as a plain transformers model (the run's "
-        "model-merged/ folder) and, with tracking.log_model, log it to MLflow as 'merged_model'. The run's model/ "
+        "model-merged/ folder) and, with tracking.log_model, log it to MLflow as '<run name>-merged'. The run's model/ "
         "folder always holds the adapter.")
 
     @field_validator("target_modules")

@@ -15,6 +15,12 @@ How a metric travels (``log_metrics``):
    it first. A batch whose reply was lost is sent again with the same timestamps: MLflow's SQL store ignores an exact
    duplicate (key, step, timestamp, value), and the cursor makes sure nothing else is resent.
 
+System metrics (``system/...``, sampled every few seconds from the start) wait in memory until the run logs a metric of
+its own (the evaluation before training, or the first training step), and follow it into the spool with their own
+times and steps: MLflow keeps a run's metric keys in the order they first arrived, and its Compare page opens the
+parallel coordinates plot on the first key the compared runs share, which was ``system/cpu_utilization_percentage``
+instead of ``eval/accuracy``. A run that ends before a metric of its own sends them at close.
+
 A point whose (key, step) is already in the run (or was already logged in this session) is dropped, so a training
 resumed from an earlier checkpoint re-logging steps that were logged before its crash produces neither duplicates nor
 gaps. Consequence: a stage that restarts its step count (warm start, then GRPO) must log under its own key prefix
@@ -38,6 +44,7 @@ from grpo.tracking.values import MAX_METRICS_PER_BATCH, numeric_metrics, sanitiz
 _log = logging.getLogger(__name__)
 
 REJECTED_FILE = "rejected.jsonl"
+SYSTEM_PREFIX = "system/"
 
 
 def _parse_spool_line(row: dict) -> list:
@@ -78,8 +85,10 @@ class BatchedLogging:
         self.dropped_duplicates = 0  # points skipped because (key, step) was already logged
         self.rejected = 0  # points the server refused permanently (written to rejected.jsonl)
 
-        self._lock = threading.Lock()  # the dedup sets (the spool has its own lock)
+        self._lock = threading.Lock()  # the dedup sets and the held system lines (the spool has its own lock)
         self._logged: dict[str, set[int]] = {}
+        self._held: list[tuple[dict, int]] = []  # system-metric lines before the run's own first metric
+        self._own_run: str | None = None  # the run known to have a metric of its own
         self._keys: dict[str, str] = {}
         self._sys_monitor = None
         self._sys_thread: threading.Thread | None = None
@@ -135,8 +144,26 @@ class BatchedLogging:
                     continue
                 steps.add(step)
                 fresh[key] = value
-        if fresh:
-            self._spool.append({"s": step, "t": int(time.time() * 1000), "m": fresh}, len(fresh))
+            if not fresh:
+                return
+            line = {"s": step, "t": int(time.time() * 1000), "m": fresh}
+            if not self._has_own_metric():
+                self._held.append((line, len(fresh)))
+                return
+            self._spool.append(line, len(fresh))
+            self._release_held()
+
+    def _has_own_metric(self) -> bool:
+        """Whether the run has a metric other than a system metric (logged now or before a resume); under the lock."""
+        if self._own_run != self.run_id and any(not k.startswith(SYSTEM_PREFIX) for k in self._logged):
+            self._own_run = self.run_id
+        return self._own_run == self.run_id
+
+    def _release_held(self) -> None:
+        """The held system-metric lines into the spool, in order; under the lock."""
+        held, self._held = self._held, []
+        for line, points in held:
+            self._spool.append(line, points)
 
     # ------------------------------------------------------------------ sending
 
@@ -213,7 +240,7 @@ class BatchedLogging:
             return
         interval = self.system_metrics_interval or monitor.sampling_interval
         samples = max(int(monitor.samples_before_logging), 1)
-        steps = [max(s) for k, s in self._logged.items() if k.startswith("system/") and s]
+        steps = [max(s) for k, s in self._logged.items() if k.startswith(SYSTEM_PREFIX) and s]
         first_step = max(steps) + 1 if steps else 0
         self._sys_monitor = monitor
         self._sys_stop.clear()
@@ -233,14 +260,19 @@ class BatchedLogging:
                     _log.warning("tracking: system metrics sampling failed: %s", err)
                     return
                 if values:
-                    self.log_metrics({f"system/{k}": v for k, v in values.items()}, step)
+                    self.log_metrics({f"{SYSTEM_PREFIX}{k}": v for k, v in values.items()}, step)
                     step += 1
 
         self._sys_thread = threading.Thread(target=loop, name="mlflow-system-metrics", daemon=True)
         self._sys_thread.start()
 
     def _stop_system_metrics(self) -> None:
+        """Stop sampling; held samples (the run logged nothing of its own) go to the spool for the last flush."""
         if self._sys_thread is not None:
             self._sys_stop.set()
             self._sys_thread.join(timeout=5)
             self._sys_thread = None
+        with self._lock:
+            if self._spool.is_open:
+                self._release_held()
+            self._held = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +39,12 @@ def use_tracking_uri(uri: str) -> Iterator[None]:
             os.environ["MLFLOW_TRACKING_URI"] = old_env
 
 
+def model_name(text: str) -> str:
+    """``text`` as a logged model's name: MLflow refuses ``/ : . % " '`` in one (a run named ``qwen2.5-x`` gives
+    ``qwen2-5-x``)."""
+    return re.sub(r"[/:.%\"']", "-", text) or "model"
+
+
 def _pip_requirements(extra: tuple[str, ...] = ()) -> list[str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -54,11 +61,15 @@ def log_model(
     tracker: MlflowTracker,
     model_dir: str | Path,
     tokenizer_dir: str | Path | None = None,
-    name: str = "model",
+    name: str | None = None,
     task: str = "text-generation",
     step: int = 0,
 ):
     """Log the trained model with MLflow's ``transformers`` flavour, linked to the tracker's run.
+
+    The model is named ``name``, by default the run's name (:func:`model_name`: MLflow's rules): the experiment's
+    Models list tells the runs' models apart by it (every one was ``model``), and it is the ``<name>`` of
+    ``runs:/<run_id>/<name>``.
 
     MLflow 3 links a logged model to the run's metrics at ``step`` (the model's page lists them): pass the last
     training step, where the evaluation after training is logged (``eval/accuracy``), not step 0 where the one before
@@ -79,6 +90,9 @@ def log_model(
 
     if tracker.run_id is None:
         raise TrackingError("log_model: the tracker is not started")
+    client = tracker.client
+    run = client.get_run(tracker.run_id)  # params are logged at start: no need to wait for the metrics
+    name = model_name(name or run.info.run_name or "")
     model_dir = Path(model_dir).resolve()
     tokenizer_dir = Path(tokenizer_dir).resolve() if tokenizer_dir else model_dir
     from grpo.training.policy import MODEL_LOCK, is_adapter_dir, load_adapted
@@ -96,13 +110,11 @@ def log_model(
     card = ModelCard(
         f"---\nlicense: other\ntags: [grpo]\n---\n# {name}\n\nGRPO-trained model from MLflow run {tracker.run_id}.\n"
     )
-    client = tracker.client
     if not tracker.flush(timeout=60):
         _log.warning("tracking: metrics not yet in MLflow; the logged model %r is not linked to them", name)
-    params = client.get_run(tracker.run_id).data.params
     logged = client.create_logged_model(
         experiment_id=tracker.experiment_id, name=name, source_run_id=tracker.run_id, model_type="transformers",
-        params=params,
+        params=run.data.params,
     )
     with use_tracking_uri(tracker.tracking_uri), warnings.catch_warnings():
         warnings.simplefilter("ignore")

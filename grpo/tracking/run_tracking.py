@@ -1,8 +1,9 @@
 """What one experiment run records in MLflow, stage by stage: shared by the Prefect pipeline (``flows/pipeline.py``)
 and the multi-process recipe (``grpo/pipeline/experiment.py`` under torchrun / accelerate launch), so both log the same
-names: every trainer metric as ``train/<TRL name>`` (through :class:`grpo.tracking.tracker.MlflowCallback`),
-``eval/accuracy`` and ``eval/pass_at_<k>`` at step 0 (before training) and at the last step (after), the prep and plan
-figures as params (``prep.rows_valid``, ``plan.generation_rounds``, ...), and the run's artifacts and model.
+names: every trainer metric under ``train/`` (through :class:`grpo.tracking.tracker.MlflowCallback`, named by
+:func:`grpo.tracking.metric_keys.train_key`), ``eval/accuracy`` and ``eval/pass_at_<k>`` at step 0 (before training)
+and at the last step (after), the prep and plan figures as params (``prep.rows_valid``, ``plan.generation_rounds``,
+...), and the run's artifacts and model.
 
 Metrics are what changes over steps: MLflow draws one chart per metric key, so a one-off figure logged as a metric
 is a single-bar chart that pushes the training curves down the run page and opens the Compare view on a constant."""
@@ -134,6 +135,7 @@ def log_run_artifacts(tracker: MlflowTracker, cfg: ExperimentConfig, run: RunDir
                               f"eval/samples_{tag}.json")
     tracker.log_artifact(run.summary_file)
     if cfg.tracking.log_model:
-        log_model(tracker, run.model_dir, run.model_dir, step=step)  # with model.lora: the adapter (a peft model)
+        # named after the run (with model.lora: the adapter, a peft model), the merged one "<run name>-merged"
+        log_model(tracker, run.model_dir, run.model_dir, step=step)
         if cfg.model.lora.enabled and cfg.model.lora.save_merged and run.merged_model_dir.is_dir():
-            log_model(tracker, run.merged_model_dir, run.merged_model_dir, name="merged_model", step=step)
+            log_model(tracker, run.merged_model_dir, run.merged_model_dir, name=f"{run.path.name}-merged", step=step)

@@ -8,13 +8,15 @@ queued here and a daemon thread writes each as one trace of the run's experiment
   turn) and the transcript, attributes ``environment``, ``reward``, ``stop_reason``, ``turns``, ``error`` (status
   ERROR when the environment failed);
 * one ``CHAT_MODEL`` span per model turn (outputs: the turn's text; the environment's reply that followed it as the
-  attribute ``observation``);
+  attribute ``observation``), from the start of the batched ``generate`` call that wrote it to the end of its
+  environment step (attributes ``generate_s`` and ``step_s``);
 * one ``TOOL`` span per tool call under the turn that made it (its name, ``status`` ok / error / unknown, and the
-  measured latency as the span's duration);
+  measured latency as the span's duration), laid out in order from the start of the turn's environment step;
 * trace tags ``step``, ``reward``, ``environment``.
 
-The episode runner measures only tool latencies, so the spans are laid out in order on a synthetic clock from the
-moment the episode was recorded: a model turn takes no time, a tool span its latency.
+The times are the episode runner's (``Episode.turn_times``, the record's ``turn_times``). A record without them (one
+made before they were measured) is laid out on a synthetic clock from the moment it was recorded: a model turn takes
+no time, a tool span its latency.
 
 Training never waits on MLflow: :meth:`EpisodeTraces.submit` only puts records on a bounded queue (a full queue
 drops them, counted). The writer tries each trace a few times with a short pause, then drops it, counted; with the
@@ -102,17 +104,23 @@ def episode_trace(record: dict[str, Any], experiment_id: str, run_id: str) -> tu
     for call in record.get("tool_calls") or []:
         calls_by_turn.setdefault(int(call[0]), []).append(call)
 
+    timed = [[int(float(t) * 1e9) for t in times] for times in record.get("turn_times") or []]
+    if timed:
+        start = timed[0][0]
     clock = start
     children: list[tuple] = []
     for n, (text, observation) in enumerate(turns, start=1):
-        turn_start = clock
+        # [generate start, generate end, step start, step end] in ns; untimed: the synthetic clock
+        times = timed[n - 1] if n <= len(timed) else [clock] * 4
+        clock = times[2]
         tool_spans = []
         for _, name, status, seconds in calls_by_turn.get(n, []):
             t1 = clock + int(max(float(seconds), 0.0) * 1e9)
             tool_spans.append((name or "unknown", status, clock, t1))
             clock = t1
-        children.append((n, text, observation, turn_start, clock, tool_spans))
-    end = clock
+        clock = max(clock, times[3])
+        children.append((n, text, observation, times, clock, tool_spans))
+    end = max(clock, start)
 
     answer = turns[-1][0] if turns else ""
     add(env, root_id, None, SpanType.AGENT, start, end, inputs={"prompt": record.get("prompt", "")},
@@ -120,10 +128,11 @@ def episode_trace(record: dict[str, Any], experiment_id: str, run_id: str) -> tu
         attributes={"environment": env, "reward": reward, "stop_reason": record.get("stop_reason"),
                     "turns": record.get("turns", len(turns)), "error": error, "step": record.get("step")},
         ok=error is None, message=error or "")
-    for n, text, observation, t0, t1, tool_spans in children:
+    for n, text, observation, times, t1, tool_spans in children:
         turn_id = ids.span()
-        add(f"turn {n}", turn_id, root_id, SpanType.CHAT_MODEL, t0, t1, outputs=text,
-            attributes={"turn": n, "observation": observation})
+        add(f"turn {n}", turn_id, root_id, SpanType.CHAT_MODEL, times[0], t1, outputs=text,
+            attributes={"turn": n, "observation": observation, "generate_s": (times[1] - times[0]) / 1e9,
+                        "step_s": (times[3] - times[2]) / 1e9})
         for name, status, c0, c1 in tool_spans:
             add(name, ids.span(), turn_id, SpanType.TOOL, c0, c1,
                 attributes={"tool": name, "status": status, "latency_s": (c1 - c0) / 1e9},

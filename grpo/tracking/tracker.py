@@ -25,7 +25,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from grpo.tracking.batched_logging import BatchedLogging
-from grpo.tracking.metric_keys import TRAIN_PREFIX
+from grpo.tracking.metric_keys import TRAIN_PREFIX, train_key
 from grpo.tracking.run_lifecycle import RunLifecycle
 from grpo.tracking.store import resolve_tracking_uri
 from grpo.tracking.sync_logging import SyncLogging
@@ -87,9 +87,16 @@ def tracker_from_config(cfg, run_dir: Path, project_dir: Path | None = None, **k
     return MlflowTracker(uri, Path(run_dir) / SPOOL_DIRNAME, log_system_metrics=t.log_system_metrics, **kwargs)
 
 
+def _keyed(metrics: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The trainer's metrics under ``prefix``: :func:`~grpo.tracking.metric_keys.train_key`'s names for ``train/``."""
+    if prefix == TRAIN_PREFIX:
+        return {train_key(k): v for k, v in metrics.items()}
+    return {f"{prefix}{k}": v for k, v in metrics.items()}
+
+
 class MlflowCallback(TrainerCallback):
     """Forward every ``Trainer.log`` call to the tracker at ``state.global_step`` (main process only), under
-    ``prefix`` (:data:`TRAIN_PREFIX` by default).
+    ``prefix`` (:data:`TRAIN_PREFIX` by default, named by :func:`~grpo.tracking.metric_keys.train_key`).
 
     Numbers only; NaN is skipped. Another ``prefix`` (e.g. ``"warm_start/"``) keeps stages that restart their step
     count apart.
@@ -107,7 +114,7 @@ class MlflowCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or not state.is_world_process_zero:
             return
-        self.tracker.log_metrics({f"{self.prefix}{k}": v for k, v in logs.items()}, step=state.global_step)
+        self.tracker.log_metrics(_keyed(logs, self.prefix), step=state.global_step)
 
 
 def log_metrics_file(tracker: MlflowTracker, path: str | Path, prefix: str = TRAIN_PREFIX) -> int:
@@ -127,7 +134,7 @@ def log_metrics_file(tracker: MlflowTracker, path: str | Path, prefix: str = TRA
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a torn last line
-            tracker.log_metrics({f"{prefix}{k}": v for k, v in row.get("metrics", {}).items()}, int(row["step"]))
+            tracker.log_metrics(_keyed(row.get("metrics", {}), prefix), int(row["step"]))
             rows += 1
     return rows
 
