@@ -54,7 +54,7 @@ from pathlib import Path
 from unittest import mock
 
 from benchmarks._sizes import TINY_SMOKE_OVERRIDES, size
-from grpo.tracking.metric_keys import TRAIN_PREFIX
+from grpo.tracking.metric_keys import train_key
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_PCT = 2.0
@@ -316,8 +316,8 @@ def _completeness(tracker, run_id: str, metrics_file: Path, sanitize, sent_all: 
     for line in metrics_file.read_text().splitlines():
         row = json.loads(line)
         for key, value in row["metrics"].items():
-            # first write wins, as in the tracker; MlflowCallback logs the trainer's metrics under train/
-            expected.setdefault((sanitize(f"{TRAIN_PREFIX}{key}"), int(row["step"])), float(value))
+            # first write wins, as in the tracker; MlflowCallback logs the trainer's metrics under train_key's names
+            expected.setdefault((sanitize(train_key(key)), int(row["step"])), float(value))
     run = tracker.client.get_run(run_id)
     got: dict[tuple[str, int], float] = {}
     system = 0
@@ -328,8 +328,8 @@ def _completeness(tracker, run_id: str, metrics_file: Path, sanitize, sent_all: 
             continue
         for m in history:
             got[(key, int(m.step))] = float(m.value)
-    reward_expected = {k: v for k, v in expected.items() if k[0] == f"{TRAIN_PREFIX}reward"}
-    reward_got = {k: v for k, v in got.items() if k[0] == f"{TRAIN_PREFIX}reward"}
+    reward_expected = {k: v for k, v in expected.items() if k[0] == train_key("reward")}
+    reward_got = {k: v for k, v in got.items() if k[0] == train_key("reward")}
     return {
         "sent_all": sent_all,
         "status": run.info.status,
