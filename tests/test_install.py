@@ -46,8 +46,15 @@ def test_lock_satisfies_pyproject_and_names_no_index():
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     locked = pins(REPO / "constraints.txt")
-    for spec in project["dependencies"] + project["optional-dependencies"]["test"]:
+    extras = project["optional-dependencies"]
+    specs = project["dependencies"] + extras["test"]
+    # the test extra names other extras of the project (`grpo-platform[team]`): their requirements are locked too
+    specs += [s for spec in extras["test"] if Requirement(spec).name == project["name"]
+              for extra in Requirement(spec).extras for s in extras[extra]]
+    for spec in specs:
         req = Requirement(spec)
+        if req.name == project["name"]:
+            continue
         assert req.specifier.contains(locked[canonicalize_name(req.name)], prereleases=True), (spec, locked[req.name])
     gpu = pins(REPO / "constraints-gpu.txt")  # resolved for the GPU image (Python 3.12, linux x86_64): no markers
     assert {"vllm", "torch", "trl"} <= set(gpu) and gpu["trl"] == locked["trl"]
@@ -74,7 +81,8 @@ def test_every_install_path_uses_the_lock():
 
 def test_the_wheel_ships_the_presets(tmp_path):
     """Presets are package data (read with importlib.resources, never from the source tree): a wheel built from this
-    tree holds every experiment and space preset, so `--config tiny` works from an installed package."""
+    tree holds every experiment and space preset and the tiny presets' warm-started models, so `--config tiny` works
+    from an installed package (and its first run copies its model instead of training one)."""
     import shutil
     import sys
     import zipfile
@@ -94,5 +102,6 @@ def test_the_wheel_ships_the_presets(tmp_path):
     [wheel] = (tmp_path / "dist").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = ({f"grpo/presets/{n}.yaml" for n in presets()}
-                | {f"grpo/presets/spaces/{n}.yaml" for n in presets("spaces")})
+                | {f"grpo/presets/spaces/{n}.yaml" for n in presets("spaces")}
+                | {str(f.relative_to(REPO)) for f in (REPO / "grpo" / "presets" / "policies").glob("*/*")})
     assert len(expected) >= 3 and expected <= names, sorted(expected - names)

@@ -513,6 +513,72 @@ def ui(
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+team_app = typer.Typer(no_args_is_help=True, help="The team setup without Docker: PostgreSQL, the Prefect and MLflow "
+                                                   "servers on it with authentication, the work pools and deployments.")
+app.add_typer(team_app, name="team")
+TeamHomeOpt = Annotated[Optional[Path], typer.Option("--home", metavar="DIR", help="The team's folder: data, logs, "
+                                                     "credentials (default: $GRPO_TEAM_HOME, else ./.grpo-team).")]
+
+
+@team_app.command("up")
+def team_up(
+    home: TeamHomeOpt = None,
+    host: Annotated[str, typer.Option(help="Address the Prefect and MLflow servers listen on (PostgreSQL stays on "
+                                           "127.0.0.1); put a TLS proxy in front for others (README).")] = "127.0.0.1",
+    prefect_port: Annotated[int, typer.Option(help="Prefect UI/API port.")] = 4200,
+    mlflow_port: Annotated[int, typer.Option(help="MLflow UI/API port.")] = 5000,
+    pg_port: Annotated[int, typer.Option(help="PostgreSQL port (127.0.0.1).")] = 5432,
+    artifacts_destination: Annotated[Optional[str], typer.Option(
+        help="Where MLflow stores artifacts (it serves them to clients): a folder (default: DIR/mlflow/artifacts) "
+             "or s3://bucket/path with MLFLOW_S3_ENDPOINT_URL and AWS_* set (boto3 installed).")] = None,
+) -> None:
+    """Start the team setup in the background: PostgreSQL, the Prefect and MLflow servers with authentication, the
+    work pools of infra/ and (the first time) the deployments of infra/prefect.yaml. Run from the repository root."""
+    from grpo.app import team
+
+    where = team.Team((home or team.default_home()).resolve())
+    try:
+        started = team.up(where, Path.cwd(), host, team.Ports(prefect_port, mlflow_port, pg_port),
+                          artifacts_destination, echo=typer.echo)
+    except GRPOPlatformError as err:
+        _fail(str(err))
+    urls = started.urls
+    typer.echo(f"Prefect UI/API: {urls['prefect']} (API auth on)    MLflow UI/API: {urls['mlflow']} (basic auth)    "
+               f"PostgreSQL: {urls['postgres']}")
+    typer.echo(f"work pools: {', '.join(started.pools)}; deployments of infra/prefect.yaml: "
+               + ("created" if started.deployed else "kept (grpo deploy updates them)"))
+    typer.echo(f"Clients and workers (the worker's credentials, 0600): source {where.team_env}    "
+               f"MLflow's admin: {where.admin_env}")
+    typer.echo(f"Logs: {where.logs}/    Stop: grpo team down{'' if home is None else f' --home {home}'}")
+
+
+@team_app.command("status")
+def team_status(home: TeamHomeOpt = None) -> None:
+    """Say what of the team setup runs, and where."""
+    from grpo.app import team
+
+    try:
+        lines = team.status_lines(team.Team((home or team.default_home()).resolve()))
+    except GRPOPlatformError as err:
+        _fail(str(err))
+    for line in lines:
+        typer.echo(line)
+
+
+@team_app.command("down")
+def team_down(home: TeamHomeOpt = None) -> None:
+    """Stop every process the team setup started; its data stays for the next grpo team up."""
+    from grpo.app import team
+
+    where = team.Team((home or team.default_home()).resolve())
+    try:
+        stopped = team.down(where)
+    except GRPOPlatformError as err:
+        _fail(str(err))
+    typer.echo(f"stopped: {', '.join(stopped)} (data kept in {where.home})" if stopped
+               else f"nothing of the team setup in {where.home} was running")
+
+
 @app.command()
 def serve(
     config: Annotated[

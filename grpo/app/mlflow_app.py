@@ -7,6 +7,10 @@ every experiment reached from MLflow's own experiment list did. The platform's l
 (:func:`grpo.tracking.store.mlflow_ui_url`); this app also makes "Model training" the default of a browser that has
 not chosen yet, by adding one line of script to the page MLflow serves. A person's own choice in the sidebar is kept.
 MLflow's ``mlflow.app`` entry-point group is how the server loads it (``pyproject.toml``).
+
+``grpo team up`` serves this app behind MLflow's basic-auth app (``--app-name grpo-auth``,
+:func:`create_auth_app`): MLflow's ``basic-auth`` entry point wraps MLflow's bare Flask app, so it would drop the
+default view above.
 """
 
 from __future__ import annotations
@@ -29,3 +33,12 @@ def _runs_view_by_default(response):
         if b"<head>" in body and _SCRIPT not in body:
             response.set_data(body.replace(b"<head>", b"<head>" + _SCRIPT, 1))
     return response
+
+
+def create_auth_app():
+    """This app behind MLflow's basic-auth (users, permissions, 401 without credentials): MLflow's ``create_app``
+    adds its hooks to the same Flask app this module added the default view to, and returns the FastAPI app over it.
+    A factory (uvicorn ``--factory``): the auth store is opened in the server's worker, not at import."""
+    from mlflow.server.auth import create_app
+
+    return create_app(flask_app)

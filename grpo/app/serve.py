@@ -68,6 +68,21 @@ def server_patience() -> tuple[float, float]:
     return per_try, per_try * (1 + int(PREFECT_CLIENT_MAX_RETRIES.value()))
 
 
+def basic_auth(credentials: str) -> dict[str, str]:
+    """The ``Authorization`` header for ``user:password`` (HTTP basic auth, as Prefect's client sends
+    ``PREFECT_API_AUTH_STRING`` and MLflow's sends ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``)."""
+    import base64
+
+    return {"Authorization": f"Basic {base64.b64encode(credentials.encode()).decode()}"}
+
+
+def _api_auth() -> dict[str, str]:
+    from prefect.settings import PREFECT_API_AUTH_STRING
+
+    credentials = PREFECT_API_AUTH_STRING.value()
+    return basic_auth(credentials) if credentials else {}
+
+
 def server_get(path: str, url: str | None = None, on_wait: Callable[[str], None] | None = None,
                first_wait: float = 5.0, patience: float | None = None):
     """``GET {url}/{path}`` on the Prefect API, patient with a busy server and quick with an absent one.
@@ -90,7 +105,8 @@ def server_get(path: str, url: str | None = None, on_wait: Callable[[str], None]
         left = deadline - time.monotonic()
         try:
             # the connect stays short: a listening server completes it in the kernel, even while its process is busy
-            response = httpx.get(f"{url}/{path}", timeout=httpx.Timeout(max(min(wait, left), 0.1), connect=5.0))
+            response = httpx.get(f"{url}/{path}", headers=_api_auth(),
+                                 timeout=httpx.Timeout(max(min(wait, left), 0.1), connect=5.0))
         except (httpx.ConnectError, httpx.UnsupportedProtocol, httpx.InvalidURL) as err:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ServeError(f"no Prefect server at {url} ({reason}); start one with `grpo ui` or "
@@ -101,6 +117,9 @@ def server_get(path: str, url: str | None = None, on_wait: Callable[[str], None]
                                  f"GET /{path} in {patience:.0f} s ({type(err).__name__}); is it hung? "
                                  "(PREFECT_API_REQUEST_TIMEOUT and PREFECT_CLIENT_MAX_RETRIES set the wait)") from None
             response = None
+        if response is not None and response.status_code == 401:  # an authenticated server (`grpo team up`)
+            raise ServeError(f"the Prefect server at {url} wants credentials (HTTP 401): set PREFECT_API_AUTH_STRING "
+                             "(a team setup's are in its team.env: `source .grpo-team/team.env`)")
         if response is not None and (response.status_code != 503 or time.monotonic() >= deadline):
             return response
         if not said and on_wait is not None:

@@ -65,13 +65,13 @@ def taken_ports_message(prefect_port: int, mlflow_port: int) -> str | None:
 MLFLOW_STARLETTE_WARNING = "ignore:starlette.middleware.wsgi is deprecated:UserWarning:mlflow.server.fastapi_app"
 
 
-def prefect_server_env(port: int) -> dict[str, str]:
+def prefect_server_env(port: int, host: str = "127.0.0.1") -> dict[str, str]:
     """The settings that make a ``prefect server start --port PORT`` its own. Its UI asks ``/ui-settings`` which API
     to call, and Prefect answers ``PREFECT_API_URL`` (environment or profile), else ``PREFECT_SERVER_API_PORT``
     (4200), not the ``--port`` it listens on: on another port the UI said "Can't connect to Server API" or showed
     another server's flows. ``PREFECT_API_URL`` is set too, over one the shell exported for another server: the
     links the server writes to its own UI (automations' notifications, ``PREFECT_UI_URL``) derive from it."""
-    url = f"http://127.0.0.1:{port}/api"
+    url = f"http://{host}:{port}/api"
     return {"PREFECT_API_URL": url, "PREFECT_SERVER_UI_API_URL": url}
 
 
