@@ -71,7 +71,7 @@ def main() -> dict:
            "top_k": 0, "shared_prompt": False}
 
     def generate(seqs, max_new_tokens, stops):
-        ids, logps = sample_round(model, seqs, {**gen, "max_new_tokens": max_new_tokens})
+        ids, logps = sample_round(model, seqs, {**gen, "max_new_tokens": max(max_new_tokens)})
         return list(zip(ids, logps))
 
     out: dict = {"tool_rate": tool_rate, "copy_rate": copy_rate, "call_rate": call_rate,

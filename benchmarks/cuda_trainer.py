@@ -12,8 +12,8 @@ peak memory are its own):
 - ``ours_features_off``: ``ours`` with both default speed features off (``async.shared_prompt_forward``,
   ``async.compact_zero_advantage``), so the ours/TRL ratio splits into the features' share and the rest;
 - ``env_sync``: ``ours`` on multi-turn episodes of the built-in ``guess_digit`` environment (``tiny-guess-digit``
-  preset, reward ``env_reward``), the episode runner in the trainer sampling with the policy on the GPU; each turn
-  samples the episode's whole remaining budget, then is cut at its stop string;
+  preset, reward ``env_reward``), the episode runner in the trainer sampling with the policy on the GPU; each row of
+  a turn's batch stops at its stop string (a digit), EOS or its episode's budget while the others go on;
 - ``trl_sparse`` / ``ours_sparse``: ``trl`` / ``ours`` with a sparse reward (``bench_sparse_digit_share``): the
   groups of one prompt in four score 1 for every completion and of another in four 0, as groups that are all right or
   all wrong do on real maths data, the rest the dense digit share. Their advantages are zero, so the ratio shows what
@@ -35,7 +35,9 @@ without its savings. In ``guess_digit`` every digit ends a turn: an episode is u
 
 Reported per variant: ``step_s`` (median optimizer-step wall time, the first ``BENCH_SKIP`` steps skipped),
 ``completion_tokens_per_s`` (sampled tokens per step -- TRL's ``completions/mean_length`` times the completions -- over
-``step_s``), ``peak_cuda_gib`` (``torch.cuda.max_memory_allocated``), ``wall_s`` (the process, start-up included); then
+``step_s``), for the ``env_*`` variants ``generated_over_kept`` (the median over steps of the logged
+``env/generated_over_kept``: model tokens generated per token kept in the episodes; goal <= 1.05), ``peak_cuda_gib``
+(``torch.cuda.max_memory_allocated``), ``wall_s`` (the process, start-up included); then
 ``ratio_step_ours_over_trl`` (split into ``ratio_step_ours_over_features_off`` and
 ``ratio_step_features_off_over_trl``), ``ratio_step_sparse_ours_over_trl``, ``ratio_step_async_over_sync`` and
 ``ratio_step_env_async_over_sync`` (below 1: the first is faster), and ``c_compiler`` (Triton, which TRL's fused LM head
@@ -228,7 +230,8 @@ def _step_clock(name: str, record_file: Path, cuda: bool):
         the peak CUDA memory, written to ``record_file`` after every step (a timed-out variant keeps its steps)."""
 
         def __init__(self) -> None:
-            self.record: dict[str, Any] = {"variant": name, "step_s": [], "mean_length": [], "peak_cuda_gib": None}
+            self.record: dict[str, Any] = {"variant": name, "step_s": [], "mean_length": [], "generated_over_kept": [],
+                                           "peak_cuda_gib": None}
             self._last = time.perf_counter()
 
         def on_train_begin(self, args, state, control, **kwargs):
@@ -249,6 +252,8 @@ def _step_clock(name: str, record_file: Path, cuda: bool):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "completions/mean_length" in logs:
                 self.record["mean_length"].append(float(logs["completions/mean_length"]))
+            if logs and "env/generated_over_kept" in logs:
+                self.record["generated_over_kept"].append(float(logs["env/generated_over_kept"]))
 
     return StepClock()
 
@@ -331,8 +336,11 @@ def summarize(record: dict[str, Any], skip: int, completions_per_step: int) -> d
     step_s = statistics.median(steady) if steady else None
     length = statistics.median(lengths[skip:] or lengths[-1:]) if lengths else None
     tokens = completions_per_step * length / step_s if step_s and length is not None else None
+    waste = record.get("generated_over_kept") or []
     return {"steps_done": len(times), "step_s": step_s, "completion_tokens_per_s": tokens,
-            "completion_mean_length": length, "peak_cuda_gib": record.get("peak_cuda_gib"),
+            "completion_mean_length": length,
+            "generated_over_kept": statistics.median(waste[skip:] or waste[-1:]) if waste else None,
+            "peak_cuda_gib": record.get("peak_cuda_gib"),
             "wall_s": round(record["wall_s"], 1), "device": record.get("device"), "error": record["error"]}
 
 

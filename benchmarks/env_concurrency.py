@@ -8,7 +8,15 @@ turns' text is scripted (``[k]`` then ``v<eos>``) so that every episode makes ev
 samples. Target (#30): the concurrent round takes <= 1.5 x (turns x tool seconds + generation seconds); serially it
 takes episodes x turns x tool seconds more (about 38 s at the defaults). Both runs must give identical episodes.
 
-``--smoke``: 8 episodes, 2 tool turns, a 0.02 s tool.
+Then stopping each turn where it ends (#48): a round of BENCH_EPISODES ``guess_digit`` episodes (every digit ends a
+turn, at most 4 turns) sampled by the same policy through the episode generator of the sync trainer and the CPU
+generator (``sampling_generate``) with a budget of BENCH_STOP_BUDGET (96) tokens, a turn being a few: each row of a
+turn's batch stopped at its stop string or its own budget, against the same round sampled as every turn was before:
+no stop strings, every row to the batch's largest budget left, cut by the runner. Reported per side: the round's
+time, tokens generated and kept (the model's, over the round's episodes) and ``generated_over_kept`` (target <= 1.05);
+both sides must give identical episodes (token ids and log-probs) for the same seed.
+
+``--smoke``: 8 episodes, 2 tool turns, a 0.02 s tool, a budget of 32.
 """
 
 from __future__ import annotations
@@ -24,17 +32,20 @@ def main(smoke: bool = False) -> dict:
     turns = size("BENCH_TURNS", 3, 2, smoke)
     tool_s = size("BENCH_TOOL_S", 0.2, 0.02, smoke)
     gen_tokens = size("BENCH_GEN_TOKENS", 4, 2, smoke)
-    if min(episodes, turns, gen_tokens) < 1 or tool_s < 0:
-        raise ValueError("BENCH_EPISODES, BENCH_TURNS and BENCH_GEN_TOKENS must be >= 1, BENCH_TOOL_S >= 0")
+    stop_budget = size("BENCH_STOP_BUDGET", 96, 32, smoke)
+    if min(episodes, turns, gen_tokens, stop_budget) < 1 or tool_s < 0:
+        raise ValueError("BENCH_EPISODES, BENCH_TURNS, BENCH_GEN_TOKENS and BENCH_STOP_BUDGET must be >= 1, "
+                         "BENCH_TOOL_S >= 0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
     from grpo.environments import ToolEnvironment
+    from grpo.environments.builtin import GuessDigitEnvironment
     from grpo.environments.episodes import run_episodes
-    from grpo.training.async_producer import sample_round
+    from grpo.training.async_producer import sample_round, sampling_generate
     from grpo.training.tiny_model import build_char_tokenizer, build_tiny_qwen2
 
-    tok = build_char_tokenizer("0123456789+=[]|()kv:")
+    tok = build_char_tokenizer("0123456789+=[]|()kv:<>")
     model = build_tiny_qwen2(tok, 128, 3, 4, 256, 256, seed=0).eval()
     gen = {"eos_token_ids": [tok.eos_token_id], "pad_token_id": tok.pad_token_id, "max_new_tokens": gen_tokens,
            "temperature": 1.0, "top_p": 1.0, "top_k": 0, "shared_prompt": False}
@@ -57,7 +68,7 @@ def main(smoke: bool = False) -> dict:
         def generate(seqs, max_new_tokens, stop_strings):
             nonlocal generate_s
             start = time.perf_counter()
-            sample_round(model, seqs, {**gen, "max_new_tokens": min(gen_tokens, max_new_tokens)})
+            sample_round(model, seqs, {**gen, "max_new_tokens": min(gen_tokens, max(max_new_tokens))})
             generate_s += time.perf_counter() - start
             out = []
             for s in seqs:  # an episode calls the tool until its sequence holds ``turns`` calls ("k" is in none else)
@@ -73,9 +84,26 @@ def main(smoke: bool = False) -> dict:
                               step_timeout=None)
         return time.perf_counter() - start, generate_s, result
 
+    def stop_round(stop: bool) -> tuple[dict, list]:
+        sample = sampling_generate(model, gen, tok)
+        # before: no stop strings, and every row of a turn sampled to the batch's largest budget
+        generate = sample if stop else (lambda seqs, budgets, stops: sample(seqs, [max(budgets)] * len(seqs), ()))
+        prompts = [f"{i // 4:02d}=" for i in range(episodes)]  # GRPO groups of 4 copies of a prompt
+        torch.manual_seed(0)
+        start = time.perf_counter()
+        result = run_episodes([tok(p, add_special_tokens=False)["input_ids"] for p in prompts],
+                              [GuessDigitEnvironment() for _ in prompts], generate, tok,
+                              rows=[{"prompt": p} for p in prompts], max_turns=4, max_completion_length=stop_budget)
+        seconds = time.perf_counter() - start
+        generated, kept = sum(ep.generated_tokens for ep in result), sum(ep.model_tokens for ep in result)
+        return {"round_s": seconds, "generated_tokens": generated, "kept_tokens": kept,
+                "generated_over_kept": generated / kept, "turns": sum(ep.turns for ep in result)}, result
+
     concurrent_s, concurrent_gen_s, concurrent = run(max_workers=episodes)
     serial_s, serial_gen_s, serial = run(max_workers=1)
     bound = turns * tool_s + concurrent_gen_s
+    stopped, stopped_eps = stop_round(stop=True)
+    full, full_eps = stop_round(stop=False)
     return {
         "episodes": episodes,
         "turns": turns,
@@ -89,4 +117,8 @@ def main(smoke: bool = False) -> dict:
         "ratio_concurrent_over_turns_x_tool_plus_generation": concurrent_s / bound if bound > 0 else None,
         "target_ratio": 1.5,
         "speedup_serial_over_concurrent": serial_s / concurrent_s,
+        "turn_stop": {"budget": stop_budget, "stop_at_turn_end": stopped, "full_budget": full,
+                      "episodes_identical": stopped_eps == full_eps,  # logprobs included: Episode compares them
+                      "target_generated_over_kept": 1.05,
+                      "speedup_full_budget_over_stop": full["round_s"] / stopped["round_s"]},
     }

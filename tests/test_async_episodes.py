@@ -40,15 +40,14 @@ def model(seed: int):
 
 
 def save_generator_dir(path, policy) -> str:
-    """What the trainer writes for its generator (see AsyncRollouts._start_producer): config, every tensor by name,
-    and the tokenizer the episode runner needs."""
+    """What the trainer writes for its generator (see AsyncRollouts._start_producer): config and every tensor by
+    name (the episode runner's tokenizer goes to the process whole)."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
     policy.config.save_pretrained(path)
     save_file({k: v.detach().contiguous().clone() for k, v in policy.state_dict().items()},
               str(path / "model.safetensors"), metadata={"format": "pt"})
-    TOK.save_pretrained(path)
     return str(path)
 
 
@@ -73,7 +72,7 @@ def test_the_generator_runs_each_round_of_episodes_with_one_policy_version_and_t
 
     monkeypatch.setenv(TEST_DELAY_ENV, "0.5")
     producer = AsyncRolloutProducer(save_generator_dir(tmp_path / "gen", first), GEN, seed=3, threads=1,
-                                    episodes=settings)
+                                    episodes=settings, tokenizer=TOK)
     try:
         producer.submit(0, *rounds[0][:1], rows=rounds[0][1])
         producer.push_weights(1, second.state_dict())
@@ -86,7 +85,7 @@ def test_the_generator_runs_each_round_of_episodes_with_one_policy_version_and_t
     torch.set_num_threads(1)  # the generator's
     try:
         torch.manual_seed(3)
-        expected = [run_episode_round(ids, rows, sampling_generate(policy, GEN), TOK, settings, [EOS])
+        expected = [run_episode_round(ids, rows, sampling_generate(policy, GEN, TOK), TOK, settings, [EOS])
                     for (ids, rows), policy in zip(rounds, (first, second))]
     finally:
         torch.set_num_threads(threads)
@@ -155,7 +154,7 @@ def test_environment_faults_cost_their_episode_a_nan_reward_and_the_generator_se
             for i, f in enumerate(faults)]
     ids = [enc("1+1=")] * 4
     producer = AsyncRolloutProducer(save_generator_dir(tmp_path / "gen", model(0)), GEN, seed=0, threads=1,
-                                    episodes=settings)
+                                    episodes=settings, tokenizer=TOK)
     try:
         producer.submit(0, ids, rows=rows)
         producer.submit(1, [[10 ** 6]], rows=rows[:1])
@@ -199,8 +198,13 @@ def model_logprobs(policy, ep) -> list[float]:
 def test_sync_and_async_trainers_sample_identical_episodes_for_the_same_seed(tmp_path):
     """The same policy, seed and batch: the sync trainer's in-process episodes and the async trainer's (round 0,
     from the generator process) have the same token ids, environment masks, turns and rewards, and log-probs to
-    float rounding; the async trainer's round 1 was submitted ahead with its rows."""
-    from tests.trainers import environment_trainer as make_trainer
+    float rounding; the async trainer's round 1 was submitted ahead with its rows. With a budget of 48 tokens where a
+    guess_digit turn is a few, both stop each turn where it ends: generated tokens over kept <= 1.05 (every turn
+    sampled the episode's remaining budget before)."""
+    from tests.trainers import environment_trainer
+
+    def make_trainer(path, **extra):
+        return environment_trainer(path, **{"grpo.max_completion_length": 48, **extra})
 
     sync = make_trainer(tmp_path / "sync")
     threads = torch.get_num_threads()
@@ -218,6 +222,9 @@ def test_sync_and_async_trainers_sample_identical_episodes_for_the_same_seed(tmp
     finally:
         trainer.close_producer()
     assert any(ep.turns > 1 for ep in got) and any(ep.env_tokens for ep in got)  # the loop really ran turns
+    for episodes in (expected, got):
+        generated, kept = sum(ep.generated_tokens for ep in episodes), sum(ep.model_tokens for ep in episodes)
+        assert generated <= 1.05 * kept, (generated, kept)
     # the engine names each episode's environment; the sync trainer does so later (in _rollout_episodes)
     assert [replace(ep, logprobs=None, environment=None) for ep in got] == [replace(ep, logprobs=None)
                                                                            for ep in expected]

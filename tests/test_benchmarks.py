@@ -71,6 +71,9 @@ def _cuda_trainer(r: dict) -> None:
         assert v["peak_cuda_gib"] is None, (name, v)
     for name in ("trl", "ours", "ours_async"):
         assert 0 < r["variants"][name]["completion_mean_length"] <= r["completion_length"], r["variants"][name]
+        assert r["variants"][name]["generated_over_kept"] is None  # single-turn: no episodes
+    for name in ("env_sync", "env_async"):  # each turn stopped at its digit, EOS or its episode's budget
+        assert 1.0 <= r["variants"][name]["generated_over_kept"] <= 1.05, r["variants"][name]
     for key in ("ratio_step_ours_over_trl", "ratio_step_ours_over_features_off", "ratio_step_features_off_over_trl",
                 "ratio_step_sparse_ours_over_trl", "ratio_step_async_over_sync", "ratio_step_env_async_over_sync"):
         assert _finite(r[key], 1e-6), (key, r[key])
@@ -82,6 +85,12 @@ def _env_concurrency(r: dict) -> None:
     assert _finite(r["ratio_concurrent_over_turns_x_tool_plus_generation"], 1e-6)
     assert _finite(r["speedup_serial_over_concurrent"], 1e-6)
     assert _finite(r["concurrent_generate_s"], 1e-6) and _finite(r["serial_round_s"], 1e-6)
+    stop = r["turn_stop"]  # guess_digit, a budget of 32 where a turn is a few tokens
+    assert stop["episodes_identical"] is True  # stopping each turn where it ends: the full-budget round's episodes
+    assert stop["stop_at_turn_end"]["generated_over_kept"] <= stop["target_generated_over_kept"] == 1.05, stop
+    assert stop["full_budget"]["generated_over_kept"] > 2, stop  # what every turn generated before
+    assert stop["stop_at_turn_end"]["kept_tokens"] == stop["full_budget"]["kept_tokens"] > 0
+    assert _finite(stop["stop_at_turn_end"]["round_s"], 1e-6) and _finite(stop["full_budget"]["round_s"], 1e-6)
 
 
 def _plan(r: dict) -> None:

@@ -69,9 +69,12 @@ def test_episodes_reach_trl_with_their_environment_mask(guess):
         assert set(env_text) <= {"<", ">", "=", tok.eos_token}
     logged = trainer._metrics["train"]
     for name in ("env/turns/mean", "env/turns/max", "env/env_tokens/mean", "env/truncated_frac", "env/errors",
-                 "env/tools/call_frequency", "env/guess_digit/reward_mean"):
+                 "env/tools/call_frequency", "env/guess_digit/reward_mean", "env/generated_tokens/mean",
+                 "env/generated_over_kept"):
         assert logged[name], f"{name} not logged"
     assert logged["env/turns/max"][-1] >= 2
+    # the sync trainer's sampler stops each turn at its digit, EOS or the episode's budget: nothing generated is cut
+    assert logged["env/generated_over_kept"][-1] <= 1.05, logged["env/generated_over_kept"]
     # TRL's completion lengths count model tokens only
     model_tokens = (batch["completion_mask"] * batch["tool_mask"]).sum(1).float()
     assert logged["completions/mean_length"][-1] == pytest.approx(model_tokens.mean().item())
@@ -142,9 +145,9 @@ def test_episode_metrics_names_and_values():
     eps = [
         Episode([1], [5, 6, 7], [0.0] * 3, [1, 0, 1], turns=2, tool_calls={"calculator": 2},
                 tool_failures={"calculator": 1}, stop_reason="eos", reward=1.0, tool_seconds={"calculator": 0.5},
-                environment="calculator"),
+                environment="calculator", generated_tokens=5),
         Episode([1], [5], [0.0], [1], turns=1, unknown_tool_calls=1, stop_reason="max_turns", reward=0.0,
-                environment="calculator"),
+                environment="calculator", generated_tokens=1),
         Episode([1], [], [], [], turns=0, stop_reason="error", reward=math.nan, error="boom", environment="calculator"),
     ]
     m = episode_metrics(eps)
@@ -152,6 +155,8 @@ def test_episode_metrics_names_and_values():
     assert m["env/tools/failure_frequency"] == pytest.approx(2 / 3)
     assert m["env/turns/mean"] == pytest.approx(1.0) and m["env/turns/max"] == 2
     assert m["env/env_tokens/mean"] == pytest.approx(1 / 3)
+    assert m["env/generated_tokens/mean"] == pytest.approx(6 / 3)
+    assert m["env/generated_over_kept"] == pytest.approx(6 / 3)  # 3 model tokens kept of the 6 generated
     assert m["env/truncated_frac"] == pytest.approx(1 / 3)
     assert m["env/errors"] == pytest.approx(1 / 3)
     assert m["env/unknown_tool_calls"] == pytest.approx(1 / 3)

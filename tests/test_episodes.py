@@ -116,12 +116,17 @@ def test_the_token_budget_covers_model_and_environment_tokens():
     (ep,), gen = run({"27+15=": ["1234567890"]}, [CalculatorEnvironment()], [{"answer": "42"}],
                      max_completion_length=6)
     assert ep.completion_ids == enc("123456") and (ep.stop_reason, ep.truncated) == ("max_tokens", True)
-    assert gen.calls[0][1] == 6 and ep.reward == 0.0  # the calculator's default reward: unanswered is wrong
+    assert gen.calls[0][1] == [6] and ep.reward == 0.0  # the calculator's default reward: unanswered is wrong
 
     # the next turn gets what is left after the model's and the environment's tokens
     (ep,), gen = run({"27+15=": ["[27+15]", "4200000"]}, [CalculatorEnvironment()], [{"answer": "42"}],
                      max_completion_length=12)
-    assert [c[1] for c in gen.calls] == [12, 2]
+    assert [c[1] for c in gen.calls] == [[12], [2]]
+
+    # each episode of a turn's batch is given its own budget, so generate can stop it there
+    _, gen = run({"27+15=": ["[27+15]", "42<eos>"], "38+19=": ["[1+1]", "57<eos>"]},
+                 [CalculatorEnvironment(), CalculatorEnvironment()], max_completion_length=20)
+    assert [c[1] for c in gen.calls] == [[20, 20], [20 - 7 - 3, 20 - 5 - 2]]
     assert ep.completion_ids == enc("[27+15]42|42") and ep.env_mask == [1] * 7 + [0] * 3 + [1] * 2
     assert ep.stop_reason == "max_tokens"
 
@@ -328,7 +333,7 @@ def test_the_real_tiny_model_generates_the_episodes_tokens():
     sampled: list[list[int]] = []
 
     def generate(seqs, max_new_tokens, stop_strings):
-        gen = {"eos_token_ids": [EOS], "pad_token_id": TOK.pad_token_id, "max_new_tokens": max_new_tokens,
+        gen = {"eos_token_ids": [EOS], "pad_token_id": TOK.pad_token_id, "max_new_tokens": max(max_new_tokens),
                "temperature": 1.0, "top_p": 1.0, "top_k": 0, "shared_prompt": False}
         ids, logprobs = sample_round(model, seqs, gen)
         sampled.extend(ids)
@@ -359,3 +364,73 @@ def test_the_real_tiny_model_generates_the_episodes_tokens():
         own = logps[len(ep.prompt_ids) - 1:].gather(-1, ids[0, len(ep.prompt_ids):, None]).squeeze(-1)
         for j, (m, lp) in enumerate(zip(ep.env_mask, ep.logprobs)):
             assert lp == pytest.approx(own[j].item(), abs=1e-4) if m else lp == ENV_LOGPROB
+
+
+@pytest.mark.parametrize("options", [{"shared_prompt": False}, {"shared_prompt": True, "top_k": 5, "top_p": 0.9}])
+def test_each_turn_stops_at_its_stop_string_and_the_episodes_are_those_of_full_budget_generation(options):
+    """The sampling function of the sync trainer and the CPU generator (``sampling_generate``), on guess_digit with a
+    budget of 48 tokens where a turn is a few: each row of a turn's batch stops at its digit or its budget (no token
+    generated is cut), while the same seed sampled as before (no stop strings, every row of a turn to the batch's
+    largest budget left, the runner cutting it) gives the very same episodes, token ids and log-probs, though it
+    generates many times more. A batch that stops early draws fewer random numbers: without the per-turn random
+    state that would move every later turn's samples."""
+    import torch
+
+    from grpo.training.async_producer import sampling_generate
+    from grpo.training.tiny_model import build_tiny_qwen2
+
+    model = build_tiny_qwen2(TOK, 32, 1, 2, 64, 256, seed=0).eval()
+    gen = {"eos_token_ids": [EOS], "pad_token_id": TOK.pad_token_id, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+           **options}
+    generate = sampling_generate(model, gen, TOK)
+    prompts = [p for p in ("27+15=", "38+19=") for _ in range(4)]  # GRPO groups: repeated prompts
+
+    def round_of(fn) -> list[Episode]:
+        torch.manual_seed(0)
+        return run_episodes([enc(p) for p in prompts], [GuessDigitEnvironment() for _ in prompts], fn, TOK,
+                            rows=[{"prompt": p} for p in prompts], max_turns=4, max_completion_length=48)
+
+    stopped = round_of(generate)
+    full = round_of(lambda seqs, budgets, stops: generate(seqs, [max(budgets)] * len(seqs), ()))
+
+    def generated_over_kept(eps: list[Episode]) -> float:
+        return sum(ep.generated_tokens for ep in eps) / sum(ep.model_tokens for ep in eps)
+
+    assert any(ep.turns > 2 for ep in stopped) and any(ep.stop_reason == "done" for ep in stopped)
+    # not one token past a turn's end: its stop string, EOS or (an episode with fewer tokens left than the batch's
+    # longest budget) its own budget
+    assert generated_over_kept(stopped) == 1.0, generated_over_kept(stopped)
+    assert generated_over_kept(full) > 2, generated_over_kept(full)  # the turns really ran on without stopping
+    assert stopped == full  # token ids, masks, turns, rewards, transcripts
+    assert [ep.logprobs for ep in stopped] == [ep.logprobs for ep in full]  # exactly: the same samples
+
+
+def test_a_rounds_first_turn_samples_as_before_stopping_and_the_random_stream_after_it_is_the_seeds():
+    """What stopping changes in the random stream and what it does not: one-turn episodes are exactly those of the
+    sampler before per-row stopping (``sample_round`` on the global stream, the runner cutting the turn), and the
+    state a turn leaves does not depend on where its batch stopped."""
+    import torch
+
+    from grpo.training.async_producer import sample_round, sampling_generate
+    from grpo.training.tiny_model import build_tiny_qwen2
+
+    model = build_tiny_qwen2(TOK, 32, 1, 2, 64, 256, seed=0).eval()
+    gen = {"eos_token_ids": [EOS], "pad_token_id": TOK.pad_token_id, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+           "shared_prompt": False}
+    prompts = ["27+15=", "38+19=", "4+4=", "9+1="] * 2
+    states = []
+
+    def before(seqs, max_new_tokens, stops):
+        return list(zip(*sample_round(model, seqs, {**gen, "max_new_tokens": max(max_new_tokens)})))
+
+    def one_turn(fn) -> list[Episode]:
+        torch.manual_seed(0)
+        eps = run_episodes([enc(p) for p in prompts], [GuessDigitEnvironment() for _ in prompts], fn, TOK,
+                           rows=[{"prompt": p} for p in prompts], max_turns=1, max_completion_length=64)
+        states.append(torch.random.get_rng_state())
+        return eps
+
+    generate = sampling_generate(model, gen, TOK)
+    assert one_turn(generate) == one_turn(before)
+    one_turn(lambda seqs, budgets, stops: generate(seqs, [max(budgets)] * len(seqs), ()))
+    assert torch.equal(states[0], states[2]) and not torch.equal(states[0], states[1])

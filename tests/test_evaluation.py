@@ -85,3 +85,33 @@ def test_generation_uses_the_kv_cache_though_the_trained_config_turns_it_off(pol
     finally:
         hook.remove()
         model.config.use_cache = model.generation_config.use_cache = True
+
+
+def test_environment_episodes_stop_each_turn_where_it_ends_whatever_the_batches_do():
+    """Evaluation's episode ``generate`` (sampled, as pass@k samples; batches of 4 of the 8 episodes): each row of a
+    turn stops at its stop string (a digit) or its budget, so no more is generated than kept, and the episodes are
+    those of the same seed sampled without stopping (no stop strings, every row to the batch's largest budget, the
+    runner cutting it): where one batch stops does not move what the next batch or turn samples."""
+    import torch
+
+    from grpo.environments.builtin import GuessDigitEnvironment
+    from grpo.environments.episodes import run_episodes
+    from grpo.training.evaluation import episode_generator
+
+    tokenizer = build_char_tokenizer("0123456789+=<>")
+    model = build_tiny_qwen2(tokenizer, 32, 1, 2, 64, 128, seed=0)
+    generate = episode_generator(model, tokenizer, do_sample=True, batch_size=4)
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:4] for _ in range(2)]
+
+    def episodes(fn):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return run_episodes(prompts, [GuessDigitEnvironment() for _ in prompts], fn, tokenizer,
+                                rows=[{"answer": "7"}] * len(prompts), max_turns=4, max_completion_length=48)
+
+    stopped = episodes(generate)
+    full = episodes(lambda seqs, budgets, stops: generate(seqs, [max(budgets)] * len(seqs), ()))
+    assert any(ep.turns > 2 for ep in stopped)
+    assert stopped == full
+    generated = [sum(ep.generated_tokens for ep in eps) for eps in (stopped, full)]
+    assert generated[0] == sum(ep.model_tokens for ep in stopped) < generated[1] / 2, generated

@@ -271,6 +271,52 @@ def test_vllm_engine_stale_rollouts_are_dropped_and_is_uses_the_servers_logprobs
     assert not all(torch.equal(record.weights[1][k], record.weights[8][k]) for k in names)  # the policy moved
 
 
+def test_vllm_engine_episode_turns_ask_the_server_to_stop_at_the_stop_strings(vllm_stubs):
+    """A round of guess_digit episodes through the engine: each turn is one ``/v1/completions`` request whose body
+    carries the environment's stop strings as vLLM's ``stop`` (with ``include_stop_str_in_output``), so the server
+    stops each sequence there, and ``max_tokens`` the largest budget left; the token ids the server returned are the
+    episodes' (never re-tokenised) and are counted as generated. (The stub server samples on past a stop: the runner
+    cuts the turn, as it would a server that ignored ``stop``.)"""
+    from grpo.training.async_producer import EpisodeSettings
+    from grpo.training.rollout_engines import VLLMServerEngine
+    from grpo.training.tiny_model import build_char_tokenizer, build_tiny_qwen2
+
+    tok = build_char_tokenizer("0123456789+=<>")
+    bodies: list[dict] = []
+
+    class Recording(StubVLLMServer):
+        def complete(self, body: dict) -> dict:
+            reply = super().complete(body)
+            bodies.append({**body, "returned": [c["token_ids"] for c in reply["choices"]]})
+            return reply
+
+    server = Recording(build_tiny_qwen2(tok, 32, 1, 2, 64, 128, seed=0), tok.eos_token_id, tok.pad_token_id)
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                "max_tokens": 24, "generation_kwargs": {}}
+    engine = VLLMServerEngine.connect(host="127.0.0.1", port=server.port, timeout=30, sampling=sampling,
+                                      num_generations=1, episodes=EpisodeSettings(name="guess_digit", max_turns=3,
+                                                                                   max_completion_length=24),
+                                      tokenizer=tok, eos_token_ids=[tok.eos_token_id])
+    prompts = ["12+3=", "4+4=", "7+1=", "2+2="]
+    try:
+        engine.submit(0, [tok(p, add_special_tokens=False)["input_ids"] for p in prompts],
+                      rows=[{"prompt": p} for p in prompts])
+        episodes = engine.get(0, timeout=60).episodes
+    finally:
+        engine.close()
+        server.close()
+    assert bodies and all(b["stop"] == list("0123456789") and b["include_stop_str_in_output"] for b in bodies)
+    assert bodies[0]["max_tokens"] == 24 and all(b["max_tokens"] <= 24 for b in bodies)
+    assert sum(ep.generated_tokens for ep in episodes) == sum(len(ids) for b in bodies for ids in b["returned"])
+    for ep in episodes:  # each model turn: the start of what the server returned for it, ids as they came
+        start = 0
+        for j in range(1, len(ep.env_mask) + 1):
+            if j == len(ep.env_mask) or ep.env_mask[j] != ep.env_mask[start]:
+                run = ep.completion_ids[start:j]
+                assert ep.env_mask[start] == 0 or any(ids[:len(run)] == run for b in bodies for ids in b["returned"])
+                start = j
+
+
 def test_vllm_named_weights_merges_a_lora_adapter_under_base_names():
     """With ``model.lora`` the server gets the merged weights under the plain model's names (TRL's way), and the
     trainer's model is left unmerged."""

@@ -49,10 +49,14 @@ from typing import Any
 
 from grpo.environments.base import Environment, StepResult
 
-GenerateFn = Callable[[list[list[int]], int, tuple[str, ...]], Sequence[tuple[Sequence[int], Sequence[float] | None]]]
+GenerateFn = Callable[[list[list[int]], list[int], tuple[str, ...]],
+                      Sequence[tuple[Sequence[int], Sequence[float] | None]]]
 """``generate(sequences, max_new_tokens, stop_strings) -> [(new_token_ids, logprobs or None), ...]``, one per
-sequence, in order. It may stop a sequence at a stop string (included in its ids) or the end-of-sequence token, or
-return more tokens: the runner cuts each turn itself at its own budget, its first stop string and its first EOS."""
+sequence, in order; ``max_new_tokens[i]`` is sequence ``i``'s budget (its episode's tokens left). It should stop each
+sequence at a stop string (included in its ids), the end-of-sequence token or its budget while the others go on (the
+platform's do: :func:`grpo.training.async_producer.sampling_generate`, evaluation's, vLLM's ``stop``); one that
+returns more tokens loses time, not tokens: the runner cuts each turn itself at its own budget, its first stop string
+and its first EOS, and counts what was generated (``Episode.generated_tokens``)."""
 
 ENV_LOGPROB = 0.0
 """The sampling log-prob recorded for environment tokens (TRL's value for tool-result tokens; masked out)."""
@@ -86,6 +90,13 @@ class Episode:
     tool_trace: list[tuple[int, str, str, float]] = field(default_factory=list, compare=False)
     """Every tool call in order as ``(turn, name, status, seconds)`` (``turn`` 1-based, ``status`` ``ok``, ``error`` or
     ``unknown``), for the episode's trace; the counts above are the metrics' view of the same calls."""
+    generated_tokens: int = field(default=0, compare=False)
+    """Model tokens ``generate`` returned over the episode's turns, the ones cut off after a stop string, EOS or the
+    budget included: with ``model_tokens`` (the kept ones), what stopping each turn where it ends saves."""
+    turn_times: list[tuple[float, float, float, float]] = field(default_factory=list, compare=False)
+    """Each model turn's wall-clock times (``time.time()`` seconds) as ``(generate start, generate end, step start,
+    step end)``: the batched ``generate`` call that wrote it and its environment step (both ends the generate end
+    for a turn not stepped), so the episode's trace shows what each turn and tool took."""
 
     @property
     def truncated(self) -> bool:
@@ -95,6 +106,11 @@ class Episode:
     @property
     def env_tokens(self) -> int:
         return len(self.env_mask) - sum(self.env_mask)
+
+    @property
+    def model_tokens(self) -> int:
+        """The model's tokens kept in the completion (``env_mask`` 1)."""
+        return sum(self.env_mask)
 
     def _append(self, ids: Sequence[int], logprobs: Sequence[float] | None, source: int) -> None:
         self.completion_ids.extend(ids)
@@ -110,10 +126,10 @@ class Episode:
 
 
 class _Call:
-    __slots__ = ("fn", "started", "finished", "abandoned", "value", "error")
+    __slots__ = ("fn", "started", "ended", "finished", "abandoned", "value", "error")
 
     def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn, self.started, self.finished, self.abandoned = fn, None, False, False
+        self.fn, self.started, self.ended, self.finished, self.abandoned = fn, None, None, False, False
         self.value: Any = None
         self.error: str | None = None
 
@@ -150,7 +166,7 @@ class StepPool:
             with self._cond:
                 if call.abandoned:
                     return  # timed out: a replacement thread took this one's place
-                call.value, call.error, call.finished = value, error, True
+                call.value, call.error, call.finished, call.ended = value, error, True, time.monotonic()
                 self._cond.notify_all()
 
     def run(self, fns: Sequence[Callable[[], Any]], timeout: float | None) -> list[_Call]:
@@ -264,6 +280,7 @@ def run_episodes(
 
     limits = [getattr(env, "concurrency_limit", None) for env in environments]
     pending, live = list(range(n)), []
+    wall_offset = time.time() - time.monotonic()  # the step pool's monotonic times as wall-clock ones
 
     def admit() -> list[int]:
         """Pending episodes (in order) whose environments' shared limit leaves room beside the live ones."""
@@ -311,19 +328,23 @@ def run_episodes(
             if not live:
                 continue
             generated: dict[int, tuple[list[int], list[float] | None]] = {}
+            generate_times: dict[int, tuple[float, float]] = {}
             groups: dict[tuple[str, ...], list[int]] = {}
             for i in live:
                 groups.setdefault(stops_of[i], []).append(i)
             for stops, members in groups.items():
-                budget = max(max_completion_length - len(episodes[i].completion_ids) for i in members)
+                budgets = [max_completion_length - len(episodes[i].completion_ids) for i in members]
                 seqs = [episodes[i].prompt_ids + episodes[i].completion_ids for i in members]
-                out = list(generate(seqs, budget, stops))
+                started_at = time.time()
+                out = list(generate(seqs, budgets, stops))
+                generate_times.update(dict.fromkeys(members, (started_at, time.time())))
                 if len(out) != len(seqs):
                     raise ValueError(f"generate returned {len(out)} results for {len(seqs)} sequences")
                 for i, (ids, logprobs) in zip(members, out):
                     if logprobs is not None and len(logprobs) != len(ids):
                         raise ValueError(f"generate returned {len(logprobs)} log-probs for {len(ids)} tokens")
                     generated[i] = (list(ids), None if logprobs is None else list(logprobs))
+                    episodes[i].generated_tokens += len(ids)
 
             stepping: list[tuple[int, str, str]] = []
             for i in live:
@@ -336,6 +357,7 @@ def run_episodes(
                 ep.transcript.append(("model", text))
                 if ended is None:
                     ep.stop_reason = "max_tokens"
+                    ep.turn_times.append((*generate_times[i], generate_times[i][1], generate_times[i][1]))
                 else:
                     stepping.append((i, text, ended))
 
@@ -343,6 +365,9 @@ def run_episodes(
             previous, live = live, []
             for (i, _, ended), call in zip(stepping, steps):
                 ep = episodes[i]
+                step_start = generate_times[i][1] if call.started is None else call.started + wall_offset
+                step_end = time.time() if call.ended is None else call.ended + wall_offset  # None: timed out
+                ep.turn_times.append((*generate_times[i], step_start, step_end))
                 if call.error is not None:
                     ep._fail(f"environment step: {call.error}")
                     continue

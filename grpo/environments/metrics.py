@@ -8,6 +8,8 @@ Rates are per episode, so they compare across batch sizes and ranks:
 ``env/tools/failure_frequency``        failed calls (the tool raised, or no tool has that name) per call
 ``env/turns/mean``, ``env/turns/max``  model turns per episode
 ``env/env_tokens/mean``                environment tokens per episode (not trained on, not completion length)
+``env/generated_tokens/mean``          model tokens generated per episode, those cut off after a turn's end included
+``env/generated_over_kept``            model tokens generated over those kept (1.0: every turn stopped where it ends)
 ``env/truncated_frac``                 episodes cut off by the turn or token budget
 ``env/errors``                         episodes ended by an environment error (reward NaN) per episode
 ``env/unknown_tool_calls``             calls naming no tool of the environment, per episode
@@ -56,6 +58,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         for name, count in ep.tool_failures.items():
             failures[name] = failures.get(name, 0) + count
     unknown = sum(ep.unknown_tool_calls for ep in episodes)
+    generated, kept = sum(ep.generated_tokens for ep in episodes), sum(ep.model_tokens for ep in episodes)
     all_calls = sum(calls.values()) + unknown
     out = {
         "env/tools/call_frequency": all_calls / n,
@@ -63,6 +66,8 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         "env/turns/mean": sum(ep.turns for ep in episodes) / n,
         "env/turns/max": float(max(ep.turns for ep in episodes)),
         "env/env_tokens/mean": sum(ep.env_tokens for ep in episodes) / n,
+        "env/generated_tokens/mean": generated / n,
+        "env/generated_over_kept": generated / kept if kept else 1.0,
         "env/truncated_frac": sum(ep.truncated for ep in episodes) / n,
         "env/errors": sum(ep.error is not None for ep in episodes) / n,
         "env/unknown_tool_calls": unknown / n,

@@ -134,9 +134,13 @@ def base_weights(peft_model) -> dict:
     return {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
 
 
-def sample_round(model, prompt_ids: list[list[int]], gen: dict) -> tuple[list[list[int]], list[list[float]]]:
+def sample_round(model, prompt_ids: list[list[int]], gen: dict, stop_strings: tuple[str, ...] = (),
+                 tokenizer=None, limits: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """One round of the generator: sampled completion token ids (cut after the first end-of-sequence token) and
-    their sampling log-probs, for left-padded ``prompt_ids``, as TRL's in-process generation samples them."""
+    their sampling log-probs, for left-padded ``prompt_ids``, as TRL's in-process generation samples them. With
+    ``stop_strings`` (and the ``tokenizer`` that decodes them) or ``limits`` (each row's own ``max_new_tokens``, at
+    most ``gen["max_new_tokens"]``) each row also stops, and is cut, at its first stop string or its limit
+    (:class:`~grpo.training.turn_sampling.TurnStop`) while the others go on."""
     import torch
 
     eos = gen["eos_token_ids"]
@@ -150,15 +154,20 @@ def sample_round(model, prompt_ids: list[list[int]], gen: dict) -> tuple[list[li
     # left on the CPU made transformers sample every token there (a step of guess_digit 10x slower on an H200).
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
+    from transformers import StoppingCriteriaList
+
     from grpo.training.model_support import GENERATION_KV_CACHE, applies
     from grpo.training.shared_prompt import shared_prompt_prefill
+    from grpo.training.turn_sampling import TurnStop, trim
 
+    stop = TurnStop.needed(tokenizer, stop_strings, width, limits or [gen["max_new_tokens"]] * len(prompt_ids), eos)
     share = shared_prompt_prefill(model) if gen.get("shared_prompt", True) else contextlib.nullcontext()
     with torch.no_grad(), share:  # each distinct prompt prefilled once (async.shared_prompt_forward)
         out = model.generate(
             input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=gen["max_new_tokens"],
             temperature=gen["temperature"], top_p=gen["top_p"], top_k=gen["top_k"] or None,
             pad_token_id=gen["pad_token_id"], eos_token_id=eos, output_logits=True, return_dict_in_generate=True,
+            stopping_criteria=StoppingCriteriaList([stop]) if stop is not None else None,
             # The policy's config says use_cache false (transformers' Trainer turns it off for training, and the
             # generator's copy is saved from it): without the KV cache every new token re-ran the whole sequence,
             # 2x slower on the 4-token default task and 9x on addition_cot's 20 tokens (2.5 s vs 0.28 s a round).
@@ -168,22 +177,28 @@ def sample_round(model, prompt_ids: list[list[int]], gen: dict) -> tuple[list[li
     logps = torch.stack(
         [torch.log_softmax(step_logits.float() / gen["temperature"], -1) for step_logits in out.logits], 1)
     token_logps = logps.gather(-1, seqs[..., None]).squeeze(-1)
+    rows = seqs.tolist()
     completions, completion_logps = [], []
-    for row, lp in zip(seqs.tolist(), token_logps.tolist()):
-        end = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+    for row, lp, end in zip(rows, token_logps.tolist(), trim(rows, stop, eos)):
         completions.append(row[:end])
         completion_logps.append(lp[:end])
     return completions, completion_logps
 
 
-def sampling_generate(model, gen: dict):
+def sampling_generate(model, gen: dict, tokenizer):
     """The episode runner's ``generate`` (:data:`grpo.environments.episodes.GenerateFn`) over :func:`sample_round`:
-    every live episode of a turn sampled in one batch, at most the turn's token budget; the runner cuts each turn at
-    its stop strings itself, so the tokens (and the RNG stream they draw) do not depend on a backend's stop-string
-    support."""
+    every live episode of a turn sampled in one batch, each row stopped at its turn's stop strings (decoded with
+    ``tokenizer``), its end-of-sequence token or its own budget while the others go on. Each turn samples under
+    :func:`~grpo.training.turn_sampling.turn_random_state`, so an episode's tokens do not depend on where a turn's
+    batch stopped: sampling every turn to its budget, the runner cutting it, gives the same episodes."""
+    from grpo.training.turn_sampling import turn_random_state
 
-    def generate(seqs: list[list[int]], max_new_tokens: int, stop_strings: tuple[str, ...]):
-        ids, logprobs = sample_round(model, seqs, {**gen, "max_new_tokens": max_new_tokens})
+    device = next(model.parameters()).device
+
+    def generate(seqs: list[list[int]], max_new_tokens: list[int], stop_strings: tuple[str, ...]):
+        with turn_random_state(device):
+            ids, logprobs = sample_round(model, seqs, {**gen, "max_new_tokens": max(max_new_tokens)}, stop_strings,
+                                         tokenizer, list(max_new_tokens))
         return list(zip(ids, logprobs))
 
     return generate
@@ -197,7 +212,7 @@ TEST_DELAY_ENV = "GRPO_TEST_GENERATOR_DELAY_S"
 
 
 def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int, lora=None, delay_s: float = 0.0,
-            episodes: EpisodeSettings | None = None) -> None:
+            episodes: EpisodeSettings | None = None, tokenizer=None) -> None:
     """The generator process: load the policy, then serve weight updates and generation requests until told to stop.
 
     Messages are handled strictly in the order they were sent (one pipe, one FIFO sender): a round is sampled with
@@ -206,8 +221,8 @@ def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int, lora=None,
     episodes is one message too: every turn of every episode is sampled with the same weights, which change only
     between rounds.
 
-    With ``episodes`` the process also imports the environment files, loads the tokenizer saved beside the weights
-    and runs rounds of episodes (``rows`` given). An environment's fault ends its episode (NaN reward) inside the
+    With ``episodes`` the process also imports the environment files and runs rounds of episodes (``rows`` given)
+    with ``tokenizer``, the trainer's own. An environment's fault ends its episode (NaN reward) inside the
     runner; any other error in a round is sent back for that round, and the process serves the next one."""
     import signal
 
@@ -230,16 +245,12 @@ def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int, lora=None,
         model = get_peft_model(model, lora).eval()
         load_weights = lambda sd: set_peft_model_state_dict(model, sd)  # noqa: E731
         load_weights(load_file(os.path.join(model_dir, ADAPTER_FILE)))
-    tokenizer = None
     if episodes is not None:
-        from transformers import AutoTokenizer
-
         from grpo.environments import load_environment_module
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
         for path in episodes.modules:
             load_environment_module(path, source="GRPO_ENV_MODULES")
-        generate = sampling_generate(model, gen)
+        generate = sampling_generate(model, gen, tokenizer)
     version = 0
     while True:
         try:
@@ -288,15 +299,20 @@ class AsyncRolloutProducer:
     """Client side of the generator process: submit rounds ahead, collect them in order, push weights."""
 
     def __init__(self, model_dir: str, generation: dict, seed: int, threads: int = 1, start_timeout: float = 120,
-                 lora=None, episodes: EpisodeSettings | None = None):
+                 lora=None, episodes: EpisodeSettings | None = None, tokenizer=None):
         """``lora``: the trainer's ``peft.LoraConfig`` when it trains an adapter (``model_dir`` then holds the base
         weights and :data:`ADAPTER_FILE`; weight syncs carry the adapter's state dict). ``episodes``: rounds
-        submitted with ``rows`` are rounds of episodes in these settings (``model_dir`` then holds the tokenizer)."""
+        submitted with ``rows`` are rounds of episodes in these settings, their turns decoded and observations encoded
+        with ``tokenizer``, the trainer's own, sent to the process whole: one loaded from ``model_dir`` can be of
+        another class (transformers picks the model type's from ``config.json``: the tiny model's character tokenizer
+        came back as Qwen2's, which drops spaces) and tokenise observations otherwise than the sync trainer."""
+        if episodes is not None and tokenizer is None:
+            raise ValueError("a generator running episodes needs the trainer's tokenizer")
         ctx = _generator_context()
         self._conn, child = ctx.Pipe()
         delay = float(os.environ.get(TEST_DELAY_ENV) or 0.0)
         self._proc = ctx.Process(target=_worker, args=(child, model_dir, generation, seed, threads, lora, delay,
-                                                               episodes),
+                                                               episodes, tokenizer),
                                  daemon=True)
         self._proc.start()
         child.close()

@@ -152,8 +152,6 @@ class AsyncRollouts:
         else:
             state = model.state_dict()
         model.config.save_pretrained(init_dir)
-        if self._episode_settings is not None:  # the generator's episode runner decodes turns and encodes replies
-            self._tokenizer.save_pretrained(init_dir)
         # Every tensor under its own name (tied embeddings included): safetensors' save_model keeps one name of a
         # tied pair, and from_pretrained then left the other randomly initialised, so the generator sampled garbage.
         state = {k: v.detach().contiguous().clone() for k, v in state.items()}
@@ -168,7 +166,8 @@ class AsyncRollouts:
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(trainer_threads(threads, self._threads_before))
         self._producer = AsyncRolloutProducer(str(init_dir), gen, seed=self.args.seed + self.accelerator.process_index,
-                                              threads=threads, lora=lora, episodes=self._episode_settings)
+                                              threads=threads, lora=lora, episodes=self._episode_settings,
+                                              tokenizer=self._tokenizer if self._episode_settings is not None else None)
 
     def _start_vllm_engine(self) -> None:
         """Connect TRL's vLLM client to the server (``grpo.vllm_server_host``/``port``, TRL's ``vllm_server_*``

@@ -48,12 +48,14 @@ def reset_row(row: dict[str, Any]) -> dict[str, Any]:
 def episode_record(ep: Episode, prompt: str, step: int) -> dict[str, Any]:
     """An episode as plain data for a trace: ``step`` (the first optimizer step trained on it), ``environment``,
     ``prompt`` (the text the model saw first, ``reset``'s observation included), ``transcript`` (``[source, text]``
-    segments), ``tool_calls`` (``[turn, name, status, seconds]`` in order), ``turns``, ``reward`` (the environment's;
+    segments), ``tool_calls`` (``[turn, name, status, seconds]`` in order), ``turns``, ``turn_times`` (each turn's
+    ``[generate start, generate end, step start, step end]``, wall-clock seconds), ``reward`` (the environment's;
     None when it gave none, NaN on an error), ``stop_reason``, ``error`` and ``time_ns`` (when it was recorded)."""
     return {
         "step": int(step), "environment": ep.environment, "prompt": prompt,
         "transcript": [[source, text] for source, text in ep.transcript],
         "tool_calls": [list(call) for call in ep.tool_trace], "turns": ep.turns,
+        "turn_times": [list(times) for times in ep.turn_times],
         "reward": None if ep.reward is None else float(ep.reward), "stop_reason": ep.stop_reason, "error": ep.error,
         "time_ns": time.time_ns(),
     }
@@ -175,16 +177,17 @@ class EnvironmentRollouts:
             step_timeout=env.step_timeout, max_workers=env.max_concurrency, eos_token_ids=list(self.eos_token_ids),
         )
 
-    def _generate_turn(self, sequences: list[list[int]], max_new_tokens: int, stop_strings: tuple[str, ...]):
+    def _generate_turn(self, sequences: list[list[int]], max_new_tokens: list[int], stop_strings: tuple[str, ...]):
         """The episode runner's ``generate``: one batched sampling call of the current policy (the async generator's
-        sampling function, so both paths sample alike), with the sampling log-prob of every token."""
+        sampling function, so both paths sample alike), each row stopped at its turn's stop strings, EOS or its
+        budget, with the sampling log-prob of every token."""
         from grpo.training.async_producer import sampling_generate
 
         gc = self.generation_config
         gen = {"temperature": gc.temperature, "top_p": gc.top_p, "top_k": gc.top_k,
                "pad_token_id": self._tokenizer.pad_token_id, "eos_token_ids": list(self.eos_token_ids),
                "shared_prompt": bool(self.experiment.async_.shared_prompt_forward)}
-        generate = sampling_generate(self.accelerator.unwrap_model(self.model), gen)
+        generate = sampling_generate(self.accelerator.unwrap_model(self.model), gen, self._tokenizer)
         return generate(sequences, max_new_tokens, stop_strings)
 
     # ------------------------------------------------------------ faults and metrics

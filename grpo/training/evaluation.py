@@ -10,13 +10,14 @@ figures for variants of the environment's options, e.g. the calculator's tool sw
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteriaList
 
 from grpo.training.model_support import GENERATION_KV_CACHE, applies
 from grpo.training.prompts import prompt_texts
@@ -131,47 +132,40 @@ def evaluate_policy(
 # ---------------------------------------------------------------- environments (multi-turn episodes)
 
 
-class _StopAtStrings(StoppingCriteria):
-    """Stops a row once its generated text contains a stop string. Not transformers' ``stop_strings``: that one
-    probes the vocabulary with text the tiny character tokenizer cannot encode."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: Sequence[str], start: int) -> None:
-        self.tokenizer, self.stops, self.start = tokenizer, tuple(stops), start
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        texts = self.tokenizer.batch_decode(input_ids[:, self.start :], skip_special_tokens=True)
-        return torch.tensor([any(s in t for s in self.stops) for t in texts], device=input_ids.device)
-
-
 def episode_generator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, do_sample: bool,
                       temperature: float = 1.0, batch_size: int = 256) -> Callable[..., list]:
     """A plain ``generate`` for :func:`~grpo.environments.episodes.run_episodes`: left-padded batches of at most
-    ``batch_size`` sequences, each row stopped at its turn's stop strings or the end-of-sequence token, greedy or
-    sampled; no log-probs (evaluation needs none)."""
+    ``batch_size`` sequences, each row stopped at its turn's stop strings, the end-of-sequence token or its budget,
+    greedy or sampled (each batch under :func:`~grpo.training.turn_sampling.turn_random_state`, so where a batch
+    stops does not move what the next one samples); no log-probs (evaluation needs none)."""
+    from grpo.training.turn_sampling import TurnStop, trim, turn_random_state
+
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id
 
     @torch.no_grad()
-    def generate(sequences: list[list[int]], max_new_tokens: int, stops: tuple[str, ...]) -> list:
+    def generate(sequences: list[list[int]], max_new_tokens: list[int], stops: tuple[str, ...]) -> list:
         model.eval()
         out: list[tuple[list[int], None]] = []
         for start in range(0, len(sequences), batch_size):
-            batch = sequences[start : start + batch_size]
+            batch, limits = sequences[start : start + batch_size], list(max_new_tokens[start : start + batch_size])
             width = max(map(len, batch))
             ids = torch.full((len(batch), width), pad)
             mask = torch.zeros_like(ids)
             for i, seq in enumerate(batch):  # left padding, as the trainer generates
                 ids[i, width - len(seq):] = torch.tensor(seq)
                 mask[i, width - len(seq):] = 1
-            gen = model.generate(
-                input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
-                do_sample=do_sample, temperature=temperature if do_sample else None, top_p=None, top_k=None,
-                pad_token_id=pad, eos_token_id=eos, use_cache=applies(GENERATION_KV_CACHE, model),
-                stopping_criteria=StoppingCriteriaList([_StopAtStrings(tokenizer, stops, width)]) if stops else None,
-            )
-            for row in gen[:, width:].tolist():
-                end = next((j + 1 for j, t in enumerate(row) if t == eos), len(row))
-                out.append((row[:end], None))
+            stop = TurnStop.needed(tokenizer, stops, width, limits, [eos])
+            with turn_random_state(model.device) if do_sample else contextlib.nullcontext():
+                gen = model.generate(
+                    input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                    max_new_tokens=max(limits), do_sample=do_sample, temperature=temperature if do_sample else None,
+                    top_p=None, top_k=None, pad_token_id=pad, eos_token_id=eos,
+                    use_cache=applies(GENERATION_KV_CACHE, model),
+                    stopping_criteria=StoppingCriteriaList([stop]) if stop is not None else None,
+                )
+            rows = gen[:, width:].tolist()
+            out.extend((row[:end], None) for row, end in zip(rows, trim(rows, stop, [eos])))
         return out
 
     return generate

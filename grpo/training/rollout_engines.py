@@ -234,9 +234,11 @@ class VLLMServerEngine:
         return Rollout(round_id, version, [list(p) for p in prompt_ids], completions, logps,
                        time.perf_counter() - start)
 
-    def _turn(self, seqs: list[list[int]], max_new_tokens: int, stop_strings: tuple[str, ...]):
-        """The episode runner's ``generate`` over the server: one completion per live episode's token ids."""
-        sampling = {**self._sampling, "max_tokens": max_new_tokens}
+    def _turn(self, seqs: list[list[int]], max_new_tokens: list[int], stop_strings: tuple[str, ...]):
+        """The episode runner's ``generate`` over the server: one completion per live episode's token ids, each
+        stopped by the server at its stop strings or EOS; one request has one ``max_tokens``, the largest budget (the
+        runner cuts an episode with less left at its own)."""
+        sampling = {**self._sampling, "max_tokens": max(max_new_tokens)}
         if stop_strings:
             sampling["generation_kwargs"] = {**sampling.get("generation_kwargs", {}), "stop": list(stop_strings),
                                              "include_stop_str_in_output": True}
