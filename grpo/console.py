@@ -42,17 +42,36 @@ class _DropRecords(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
+# What Prefect's engine logs when a flow run's exception leaves it, after the run has ended, with the traceback: an
+# error (Exception), or anything else (a signal's TerminationSignal, KeyboardInterrupt).
+ENGINE_RELOGS = ("Engine execution exited with unexpected exception", "Engine execution interrupted by base exception")
+
+
+def mark_reported(err: BaseException) -> BaseException:
+    """Mark ``err`` as told to the person already, in the flow run's own words and state (a stop signal the flow
+    turned into its Cancelled state, with the step saved and how to resume): Prefect's engine does not log it again
+    with its traceback (:class:`_ReportedError`)."""
+    err.grpo_reported = True
+    return err
+
+
 class _ReportedError(logging.Filter):
-    """Prefect's engine logs a failed flow run's exception once more, with its traceback, after the run has ended
-    ("Engine execution exited with unexpected exception"). A platform error (a bad value, a changed config on resume)
-    has been said in one line by then, and is the state's message: the traceback would only bury it in the UI."""
+    """Prefect's engine logs a flow run's exception once more, with its traceback, after the run has ended
+    (:data:`ENGINE_RELOGS`). For two kinds that has been said in one line by then, as the state's message: a platform
+    error (a bad value, a changed config on resume), and a stop the flow marked reported (:func:`mark_reported`).
+
+    A stop's re-log is an ERROR with a ~90-line ``TerminationSignal`` traceback after "Finished in state Cancelled",
+    on every Cancel of a served run while it trains: Prefect's runner acknowledges a cancel with the flow-run process
+    only while Prefect's own SIGTERM handler is in place, training has its own there (to finish the step and save
+    it, grpo.training.graceful_stop), so the runner sends a plain SIGTERM and the engine takes it for an unannounced
+    kill. Any other exception keeps its traceback (a crash: "Engine execution exited with unexpected exception")."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         from grpo.errors import GRPOPlatformError
 
         error = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(error, GRPOPlatformError)
-                    and str(record.msg).startswith("Engine execution exited with unexpected exception"))
+        said = isinstance(error, GRPOPlatformError) or getattr(error, "grpo_reported", False)
+        return not (said and str(record.msg).startswith(ENGINE_RELOGS))
 
 
 # Environment settings of the same kind, for this process and the ones it starts (unless the user set them): MLflow's

@@ -4,9 +4,10 @@ and MLflow servers.
 
 - a Custom run with nothing changed and every section opened trains exactly the tiny preset, to the end;
 - a Quick run is the preset too, and Cancel in the UI stops it: the train subflow ends Cancelled and says which step
-  was saved and how to resume;
-- a Custom run with changed fields, stopped, is resumed from the form (every section opened) and completes; a
-  resume whose config really differs fails with that one line;
+  was saved and how to resume, and no flow run's log has an ERROR or a traceback;
+- a Custom run with changed fields, stopped, is resumed from the form (every section opened) and completes, saying
+  where it continues and counting its ETA from there; a resume whose config really differs fails with that one line;
+- a crash in a served run keeps its traceback in the run's log;
 - the README's API parameters run.
 
 A stop that must land while training runs is forced, not timed: the run's reward blocks at its first call while a
@@ -16,6 +17,7 @@ gate file exists, and the gate opens once the run has received the stop.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import time
@@ -45,6 +47,11 @@ def hold(gate):
 def exact_match_gated(completions, answer, **kwargs):
     hold(os.environ["GRPO_TEST_GATE"])
     return exact_match(completions, answer)
+
+
+@register_reward("exact_match_crashing")
+def exact_match_crashing(completions, answer, **kwargs):
+    raise RuntimeError("this reward function crashes on purpose")
 
 
 if "GRPO_TEST_GATE" in os.environ:  # the served runs' processes, not the test's own
@@ -209,6 +216,36 @@ def _changed(path: Path) -> dict:
     return {k: v for k, v in _flat_config(path).items() if tiny[k] != v}
 
 
+def _logs_when_done(served, flow_run_id: str, timeout: float = 600) -> list[dict]:
+    """Every log line of a served flow run and its subflows, oldest first, read once the run's process has ended: its
+    log handler ships lines in batches and sends the last ones as the process exits (Prefect's engine logs after the
+    run's final state too), so only then is a line's absence final."""
+    import psutil
+
+    deadline = time.monotonic() + timeout  # a hung process's bound
+    while True:
+        running = []
+        for child in psutil.Process(served.proc.pid).children(recursive=True):
+            try:
+                if (child.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id
+                        and child.status() != psutil.STATUS_ZOMBIE):
+                    running.append(child)
+            except psutil.NoSuchProcess:
+                pass
+        if not running:
+            break
+        assert time.monotonic() < deadline, (running, served.log.read_text()[-3000:])
+        time.sleep(0.5)
+    ids = [flow_run_id, *(r["id"] for r in served.subflows(flow_run_id).values())]
+    return served.server.post("logs/filter", {"logs": {"flow_run_id": {"any_": ids}}, "sort": "TIMESTAMP_ASC",
+                                              "limit": 200}).json()
+
+
+def _errors(logs: list[dict]) -> list[str]:
+    """The log lines a person reads as something gone wrong: ERROR (or worse), or a traceback."""
+    return [e["message"] for e in logs if e["level"] >= logging.ERROR or "Traceback" in e["message"]]
+
+
 def _wait_file(path: Path, timeout: float = 600, log: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -317,6 +354,9 @@ def test_a_quick_run_is_the_preset_and_cancel_in_the_ui_saves_a_checkpoint(serve
             break
         assert time.monotonic() < deadline, [entry["message"] for entry in logs][:20]
         time.sleep(1)
+    # The cancel reads as one: no ERROR and no traceback after "Finished in state Cancelled" (the engine took the
+    # runner's SIGTERM, which training's own handler had held until its step ended, for a crash and logged it so)
+    assert _errors(_logs_when_done(served, created["id"])) == []
     page.goto(f"{ui}/runs/flow-run/{train['id']}", wait_until="networkidle")
     expect(page.get_by_text("Cancelled").first).to_be_visible(timeout=120_000)
     page.screenshot(path=str(SCREENSHOTS / "prefect-train-cancelled.png"))
@@ -339,7 +379,9 @@ def _fill_run(page, run_name: str, steps: int, resume: bool = False) -> None:
 def test_a_changed_run_stopped_mid_step_resumes_from_the_form(served, page):
     """A Custom run with three fields changed, stopped while its first step waits in the reward, then Resume from the
     form (same fields, every section opened): it completes, and its config is the preset with exactly those
-    fields. A resume that changes the config fails with that one line, no traceback."""
+    fields. The cancel logs no ERROR or traceback; the resume says where it continues (console and flow-run log),
+    its progress line counts the steps left, and the checkpoint's tied weights load without a "missing keys"
+    message. A resume that changes the config fails with that one line, no traceback."""
     gate = Path(served.env["GRPO_TEST_GATE"])
     gate.touch()
     deployment_id = _run_page(page, served)
@@ -356,6 +398,9 @@ def test_a_changed_run_stopped_mid_step_resumes_from_the_form(served, page):
     assert served.subflows(created["id"])["train"]["state"]["type"] == "CANCELLED"
     run_dir = served.home / "runs" / "ui-changed"
     assert (run_dir / "checkpoints" / "checkpoint-1").is_dir()
+    logs = _logs_when_done(served, created["id"])
+    assert any(e["message"].startswith("training stopped by SIGTERM: checkpoint at step 1 saved") for e in logs)
+    assert _errors(logs) == []
 
     _run_page(page, served)
     known = _known(served, deployment_id)
@@ -363,10 +408,18 @@ def test_a_changed_run_stopped_mid_step_resumes_from_the_form(served, page):
     for title in SECTION_TITLES:
         open_section(page, title)
     page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-resume.png"))
+    console_before = len(served.log.read_text())
     resumed = submit(page, served.server, deployment_id, known)
     park(page)
     run = served.wait(resumed["id"])
     assert run["state"]["type"] == "COMPLETED", (run["state"], served.log.read_text()[-4000:])
+    said = [e["message"] for e in _logs_when_done(served, resumed["id"])]
+    console = served.log.read_text()[console_before:]  # `grpo serve`'s output for the resumed run
+    assert "resumed from checkpoint-1: step 1 of 12" in said and "resumed from checkpoint-1: step 1 of 12" in console
+    # The progress line's ETA is for the steps left (the preset logs every 10th step), at the pace since the resume
+    [progress] = [m for m in said if m.startswith("step 10/12 | ")]
+    assert re.search(r" \| ETA \d+s \(2 steps left\)$", progress), progress
+    assert "missing keys" not in console, console
     assert _changed(run_dir / "config.yaml") == {"grpo.max_steps": 12,
                                                   "grpo.reward_funcs": ["exact_match_gated"]}
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 12
@@ -383,6 +436,20 @@ def test_a_changed_run_stopped_mid_step_resumes_from_the_form(served, page):
         "grpo.learning_rate: 0.0001 -> 0.0003" in run["state"]["message"], run["state"]
     logs = served.server.post("logs/filter", {"logs": {"flow_run_id": {"any_": [bad["id"]]}}}).json()
     assert not any("Traceback" in entry["message"] for entry in logs), [e["message"] for e in logs]
+
+
+def test_a_crash_in_a_served_run_keeps_its_traceback(served):
+    """A stop reported as Cancelled is not logged again with its traceback; an error is not a stop: a reward function
+    that raises fails the run, and the run's own log keeps Prefect's ERROR with the traceback."""
+    deployment_id = served.deployment()["id"]
+    created = served.server.post(f"deployments/{deployment_id}/create_flow_run", {"parameters": {
+        "run_name": "ui-crash", "max_steps": 2, "reward_funcs": ["exact_match_crashing"],
+        "evaluation_settings": {"enabled": False}}}).json()
+    run = served.wait(created["id"], timeout=600)
+    assert run["state"]["type"] == "FAILED", (run["state"], served.log.read_text()[-4000:])
+    own = [e for e in _logs_when_done(served, created["id"]) if e["flow_run_id"] == created["id"]]
+    assert any(m.startswith("Engine execution exited with unexpected exception") and "Traceback" in m
+               and "this reward function crashes on purpose" in m for m in _errors(own)), [e["message"] for e in own]
 
 
 def test_an_environment_preset_from_the_form_trains_on_episodes_and_its_summary_shows_the_environment(served, page):

@@ -13,9 +13,11 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from grpo.config import ExperimentConfig
+from grpo.formatting import count
 from grpo.rewards import get_reward
 from grpo.runs import RunDir
 from grpo.training.graceful_stop import StopAtStepEnd, stop_at_step_end
+from grpo.training.pace import Pace, duration
 from grpo.training.policy import Policy, model_turn, name_adapter_base, save_merged_model
 
 # Fields of the ``grpo`` section that are not GRPOConfig arguments (handled by the platform itself).
@@ -97,26 +99,38 @@ class ConsoleProgress(TrainerCallback):
     """One short line per logged step on the console: step, reward (per reward function too), accuracy-like and
     loss figures, seconds per step and ETA. Replaces transformers' progress bar and printer, which glue the whole
     log dict (every value quoted as a string) onto the bar: one 3,000-character line when not in a terminal. The
-    full metrics go to metrics.jsonl and MLflow."""
+    full metrics go to metrics.jsonl and MLflow.
 
-    def __init__(self, echo=print) -> None:
+    A resumed training (``resumed_from``: the checkpoint it loaded) first says where it continues, e.g.
+    ``resumed from checkpoint-43: step 43 of 150``, and its pace, ETA and closing line count the steps since then
+    (:class:`~grpo.training.pace.Pace`)."""
+
+    def __init__(self, echo=print, resumed_from: Path | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.echo = echo
-        self.started: tuple[float, int] | None = None
+        self.resumed_from = resumed_from
+        self.clock = clock
+        self.pace: Pace | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.started = (time.monotonic(), state.global_step)
+        self.pace = Pace(state.global_step, self.clock)
+        if self.resumed_from is not None and state.is_world_process_zero:
+            self.echo(f"resumed from {self.resumed_from.name}: step {state.global_step} of {state.max_steps}")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or not state.is_world_process_zero:
             return
-        if "train_runtime" in logs:  # the trainer's closing summary
-            self.echo(f"train: {state.global_step} steps in {_duration(logs['train_runtime'])}")
+        if "train_runtime" in logs:  # the trainer's closing summary: its runtime is this training's, since the resume
+            started = self.pace.started_step if self.pace is not None else 0
+            since = f", from step {started} to {state.global_step}" if started else ""
+            self.echo(f"train: {count(state.global_step - started, 'step')} in {duration(logs['train_runtime'])}"
+                      f"{since}")
             return
-        self.echo(progress_line(logs, state.global_step, state.max_steps, self.started))
+        self.echo(progress_line(logs, state.global_step, state.max_steps, self.pace))
 
 
-def progress_line(logs: dict, step: int, max_steps: int, started: tuple[float, int] | None) -> str:
-    """``step 3/10 | reward 0.42 ±0.31 | exact_match 0.40 | loss 0.012 | 1.8 s/step | ETA 13s``."""
+def progress_line(logs: dict, step: int, max_steps: int, pace: Pace | None) -> str:
+    """``step 3/10 | reward 0.42 ±0.31 | exact_match 0.40 | loss 0.012 | 1.8 s/step | ETA 13s (7 steps left)``."""
     parts = [f"step {step}/{max_steps}"]
     if isinstance(logs.get("reward"), (int, float)):
         std = logs.get("reward_std")
@@ -127,17 +141,13 @@ def progress_line(logs: dict, step: int, max_steps: int, started: tuple[float, i
     parts += [f"{k} {logs[k]:.3f}" for k in logs if "accuracy" in k and isinstance(logs[k], (int, float))]
     if isinstance(logs.get("loss"), (int, float)):
         parts.append(f"loss {logs['loss']:.4g}")
-    if started is not None and step > started[1]:
-        per_step = (time.monotonic() - started[0]) / (step - started[1])
+    per_step = pace.seconds_per_step(step) if pace is not None else None
+    if per_step is not None:
         parts.append(f"{per_step:.1f} s/step")
-        if max_steps > step:
-            parts.append(f"ETA {_duration(per_step * (max_steps - step))}")
+        eta = pace.eta(step, max_steps, per_step)
+        if eta is not None:
+            parts.append(eta)
     return " | ".join(parts)
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 @dataclass
@@ -184,10 +194,10 @@ def _train(cfg, policy, train_dataset, run, resume, plan_path, callbacks, echo) 
 
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(ConsoleProgress(echo))
+    checkpoint = run.latest_checkpoint(report=lambda message: echo(f"warning: {message}")) if resume else None
+    trainer.add_callback(ConsoleProgress(echo, resumed_from=checkpoint))
     stop = StopAtStepEnd()
     trainer.add_callback(stop)
-    checkpoint = run.latest_checkpoint(report=lambda message: echo(f"warning: {message}")) if resume else None
     try:
         with stop_at_step_end(stop):  # Ctrl-C/SIGTERM: checkpoint at the current step, then stop
             trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)

@@ -80,6 +80,8 @@ TRL_HOOKS: dict[str, str] = {
     "_get_per_token_logps_and_entropies": "hands the training forward's log-probs to the deferred IS correction; runs "
                                           "each group's prompt once (async.shared_prompt_forward)",
     "get_high_entropy_mask": "the entropy quantile over chunks, equal to the unchunked mask",
+    "_issue_warnings_after_load": "a resumed checkpoint's tied weights (stored once, under one of their names) are "
+                                  "not reported as missing keys",
 }
 
 
@@ -141,6 +143,23 @@ class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndRe
     def _record(self, name: str, value: float) -> None:
         """One value of a training metric for this logging step (TRL averages each over the step and logs it)."""
         self._metrics["train"][name].append(value)
+
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
+        """On resume transformers' Trainer loads the checkpoint with a plain ``load_state_dict``. The checkpoint
+        stores a tied pair of weights once, under one name (the tiny model's ``lm_head.weight`` is its
+        ``model.embed_tokens.weight``), so the other name reads as missing and transformers warns "There were missing
+        keys in the checkpoint model loaded: ['lm_head.weight']" on every resume, though that tensor is loaded under
+        its partner's name. A missing name the model ties (``all_tied_weights_keys``) to a loaded one, the very same
+        parameter, is left out of the warning, as ``from_pretrained`` (which knows the tie) leaves it out; any other
+        missing or unexpected key is still reported."""
+        missing = set(load_result.missing_keys)
+        loaded_by_tie = {name for pair in (getattr(self.model, "all_tied_weights_keys", None) or {}).items()
+                         for name, partner in (pair, pair[::-1])
+                         if name in missing and partner not in missing and _same_parameter(self.model, name, partner)}
+        if loaded_by_tie:
+            load_result = load_result._replace(missing_keys=[k for k in load_result.missing_keys
+                                                             if k not in loaded_by_tie])
+        super()._issue_warnings_after_load(load_result)
 
     # ------------------------------------------------------------ 1. which prompts each rank sees
 
@@ -291,3 +310,11 @@ class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndRe
             if chunks == 1:
                 return super()._compute_loss(model, inputs) * (weight * share)
             return self._chunked_loss(model, inputs, chunks, weight * share)
+
+
+def _same_parameter(model: Any, name: str, other: str) -> bool:
+    """Whether ``name`` and ``other`` are one tensor of ``model`` (tied), not two that merely share a role."""
+    try:
+        return model.get_parameter(name) is model.get_parameter(other)
+    except AttributeError:
+        return False
