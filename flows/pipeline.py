@@ -1,5 +1,5 @@
-"""The pipeline flow: the recipe (:mod:`grpo.pipeline.recipe`: prep → plan → eval (before) → train → eval (after))
-with each stage a named Prefect subflow; one Prefect flow run and one MLflow run.
+"""The pipeline flow: the recipe (:mod:`grpo.pipeline.recipe`: prep → plan → policy → eval (before) → train → eval
+(after)) with each stage a named Prefect subflow; one Prefect flow run and one MLflow run.
 
 The flow's parameters are the Prefect UI's run form (:mod:`flows.run_form`): a preset, the fields people change most,
 one collapsed group per config section. A retry of the flow run (or ``grpo run --resume``) continues the same run
@@ -55,11 +55,12 @@ from flows.stages import (
     eval_flow,
     plan_flow,
     plan_markdown,
+    policy_flow,
     prep_flow,
     summarize_for_ui,
 )
 from grpo.config import ExperimentConfig, resolve_config
-from grpo.console import quiet_library_noise
+from grpo.console import mark_reported, quiet_library_noise
 from grpo.errors import GRPOPlatformError
 from grpo.pipeline.confine import check_config_paths
 from grpo.pipeline.run_context import RunContext
@@ -110,7 +111,11 @@ def _stop_signal(err: BaseException) -> str | None:
 def _cancelled(err: BaseException, run: RunDir, say=None):
     """The Cancelled state a flow returns when a signal stopped it (``say`` logs the message first); re-raises
     ``err`` when it is an error, or Ctrl-C: asyncio turns a KeyboardInterrupt re-raised from a state into
-    CancelledError, so Ctrl-C unwinds as it is (the CLI marks its flow runs Cancelled)."""
+    CancelledError, so Ctrl-C unwinds as it is (the CLI marks its flow runs Cancelled).
+
+    The state's message says the step saved and how to continue, so Prefect's engine does not log the signal again
+    as an ERROR with its traceback when it leaves a served run (:func:`grpo.console.mark_reported`); the signal
+    still unwinds the caller (the pipeline, the CLI: exit 143)."""
     signal_name = _stop_signal(err)
     if signal_name is None:
         raise err
@@ -119,7 +124,7 @@ def _cancelled(err: BaseException, run: RunDir, say=None):
         say(message)
     if isinstance(err, KeyboardInterrupt):
         raise err
-    return Cancelled(message=message, data=err)
+    return Cancelled(message=message, data=mark_reported(err))
 
 
 def stopped_message(run: RunDir, signal_name: str) -> str:
@@ -133,7 +138,7 @@ def stopped_message(run: RunDir, signal_name: str) -> str:
 
 
 class PrefectStages:
-    """The recipe's stages as named Prefect subflows (``prep``, ``plan``, ``eval-before``, ``train``,
+    """The recipe's stages as named Prefect subflows (``prep``, ``plan``, ``policy``, ``eval-before``, ``train``,
     ``eval-after``) with their caching, retries and artifacts; links the MLflow run and the summary in the UI."""
 
     def started(self, run: RunDir, tracker: MlflowTracker | None) -> None:
@@ -152,6 +157,9 @@ class PrefectStages:
         plan = plan_flow(cfg, data_dir, content_hash)
         create_markdown_artifact(key="run-plan", markdown=plan_markdown(plan), description="Sampler plan")
         return plan
+
+    def policy(self, cfg: ExperimentConfig, data_dir: str, log) -> dict:
+        return policy_flow(cfg, data_dir)
 
     def evaluate(self, cfg: ExperimentConfig, model: str, data_dir: str, out_file: str, tag: str) -> dict:
         return eval_flow(cfg, model, data_dir, out_file, tag)

@@ -7,17 +7,30 @@ train subflow runs, so importing the flows (``grpo serve``, ``grpo deploy``) imp
 
 from __future__ import annotations
 
+import logging
 import time
+from typing import Callable
 
 from prefect.artifacts import ProgressArtifact, create_progress_artifact, update_progress_artifact
 from transformers import TrainerCallback
+
+from grpo.training.pace import Pace
+
+
+def _skipped(err: Exception) -> None:
+    """A progress update the Prefect server did not take: training goes on (the page is a view of it, and the
+    server's outage is not the run's), one warning says why."""
+    logging.getLogger(__name__).warning(f"progress artifact not updated ({type(err).__name__}: {err}); "
+                                        "training goes on")
 
 
 class PrefectProgress(TrainerCallback):
     """Keeps a Prefect progress artifact at the fraction of optimizer steps done, on the train subflow's run and on
     the pipeline's own run (``parent_flow_run_id``: where a person looks first); its description says the step, the
-    last logged reward and the accuracy before training (``eval_before``), e.g.
-    ``step 20/150 · reward 0.412 ±0.31 · eval accuracy before 0.725``.
+    last logged reward, the accuracy before training (``eval_before``) and the time left, e.g.
+    ``step 20/150 · reward 0.412 ±0.31 · eval accuracy before 0.725 · ETA 3m20s (130 steps left)``: the time left at
+    the pace of the steps since training started here, a resumed run's since its checkpoint
+    (:class:`~grpo.training.pace.Pace`, as the console line).
 
     The Trainer calls ``on_step_end`` before ``on_log`` for the same step, so the artifact is updated after the log
     too: a logging step's description carries that step's reward, not the previous one's.
@@ -29,12 +42,14 @@ class PrefectProgress(TrainerCallback):
     always written, so what the page ends on does not depend on timing."""
 
     def __init__(self, eval_before: dict | None = None, parent_flow_run_id: str | None = None,
-                 min_interval_s: float = 2.0) -> None:
+                 min_interval_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.artifact_ids: list = []
         self.before = eval_before
         self.parent = parent_flow_run_id
         self.logged: dict = {}
         self.min_interval_s = min_interval_s
+        self.clock = clock
+        self.pace: Pace | None = None
         self._last_update = float("-inf")
 
     def describe(self, step: int, max_steps: int) -> str:
@@ -45,6 +60,9 @@ class PrefectProgress(TrainerCallback):
                          + (f" ±{std:.2f}" if isinstance(std, (int, float)) else ""))
         if self.before and self.before.get("accuracy") is not None:
             parts.append(f"eval accuracy before {self.before['accuracy']:.3f}")
+        eta = self.pace.eta(step, max_steps) if self.pace is not None else None
+        if eta is not None:
+            parts.append(eta)
         return " · ".join(parts)
 
     @staticmethod
@@ -52,6 +70,7 @@ class PrefectProgress(TrainerCallback):
         return 100.0 * state.global_step / state.max_steps if state.max_steps else 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.pace = Pace(state.global_step, self.clock)
         if state.is_world_process_zero:
             description = self.describe(state.global_step, state.max_steps)
             self.artifact_ids = [create_progress_artifact(progress=self._progress(state), key="training-progress",
@@ -62,13 +81,16 @@ class PrefectProgress(TrainerCallback):
                     flow_run_id=self.parent).create().id)
 
     def _update(self, state, always: bool = True) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if not state.max_steps or (not always and now - self._last_update < self.min_interval_s):
             return
         self._last_update = now
         for artifact_id in self.artifact_ids:
-            update_progress_artifact(artifact_id, progress=self._progress(state),
-                                     description=self.describe(state.global_step, state.max_steps))
+            try:
+                update_progress_artifact(artifact_id, progress=self._progress(state),
+                                         description=self.describe(state.global_step, state.max_steps))
+            except Exception as err:  # the server down or its database restarting: the next update catches up
+                _skipped(err)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs:
@@ -82,4 +104,28 @@ class PrefectProgress(TrainerCallback):
         self._update(state)
 
 
-__all__ = ["PrefectProgress"]
+class RunProgress:
+    """A progress artifact on this flow run (``key``) and the same on the pipeline's run (``run-<key>``, given its
+    ``parent_flow_run_id``: where a person looks first), created at the first call and updated at each one after: the
+    ``policy`` stage's warm start reports through it (:class:`grpo.training.warm_start.WarmStartProgress`, a line at
+    each tenth of its steps)."""
+
+    def __init__(self, key: str, parent_flow_run_id: str | None = None) -> None:
+        self.key, self.parent = key, parent_flow_run_id
+        self.artifact_ids: list = []
+
+    def __call__(self, progress: float, description: str) -> None:
+        if self.artifact_ids:
+            for artifact_id in self.artifact_ids:
+                try:
+                    update_progress_artifact(artifact_id, progress=progress, description=description)
+                except Exception as err:  # as PrefectProgress: a page left behind, never a failed stage
+                    _skipped(err)
+            return
+        self.artifact_ids = [create_progress_artifact(progress=progress, key=self.key, description=description)]
+        if self.parent:
+            self.artifact_ids.append(ProgressArtifact(progress=progress, key=f"run-{self.key}", description=description,
+                                                      flow_run_id=self.parent).create().id)
+
+
+__all__ = ["PrefectProgress", "RunProgress"]

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from grpo.config import ExperimentConfig
@@ -115,6 +115,20 @@ def plan_markdown(plan: dict) -> str:
             f"- epochs: {plan['epochs']}\n")
 
 
+@flow(name="grpo-policy", flow_run_name="policy")
+def policy_flow(config: ExperimentConfig, data_dir: str) -> dict:
+    """The tiny model GRPO starts from, built and warm-started into the cache when missing (once per model, data and
+    environment): its progress in the log and in a progress artifact here and on the pipeline's run."""
+    from prefect.runtime import flow_run
+
+    import grpo.pipeline.stages
+    from flows.progress import RunProgress
+
+    parent = flow_run.parent_flow_run_id
+    report = RunProgress("warm-start-progress", str(parent) if parent else None)
+    return grpo.pipeline.stages.cached_policy(config, data_dir, log=get_run_logger().info, report=report)
+
+
 @flow(name="grpo-eval", flow_run_name="eval-{tag}", retries=2, retry_delay_seconds=5)
 def eval_flow(config: ExperimentConfig, model_source: str, data_dir: str, out_file: str, tag: str) -> dict:
     """Greedy accuracy and pass@k of a model on the held-out split."""
@@ -166,5 +180,5 @@ def summarize_for_ui(summary: dict[str, Any]) -> str:
     return f"## GRPO run `{summary.get('run_name', '')}`\n\n| | |\n| --- | --- |\n{table}\n"
 
 
-__all__ = ["prep_flow", "plan_flow", "eval_flow", "RunDir", "dataset_summary", "dataset_table",
+__all__ = ["prep_flow", "plan_flow", "policy_flow", "eval_flow", "RunDir", "dataset_summary", "dataset_table",
            "plan_markdown", "summarize_for_ui"]

@@ -14,6 +14,7 @@ from mlflow import MlflowClient
 
 from grpo.config import load_config
 from grpo.runs import RunDir
+from grpo.tracking.metric_keys import train_key
 from tests.conftest import MICRO, micro_overrides
 from tests.servers import MlflowServer, PrefectServer
 
@@ -79,7 +80,8 @@ def stage_task_states(server: PrefectServer, pipeline_run_id: str) -> dict[str, 
 def test_progress_artifact_is_written_at_logs_and_the_end_and_throttled_between(prefect_in_process, monkeypatch):
     """The train flow's progress artifact: every logging step, the last step and the end of training are written, so
     the page ends on the last step whatever the timing; between them at most one update per ``min_interval_s`` (each
-    is a synchronous API call in the training loop)."""
+    is a synchronous API call in the training loop). Its clock is the test's: each step takes 2 s, which the ETA
+    says for the steps left."""
     from prefect import flow
     from transformers import TrainerState
 
@@ -96,11 +98,13 @@ def test_progress_artifact_is_written_at_logs_and_the_end_and_throttled_between(
 
     @flow
     def train_like(min_interval_s: float) -> str:
-        progress = flows.progress.PrefectProgress({"accuracy": 0.25}, min_interval_s=min_interval_s)
+        now = [0.0]
+        progress = flows.progress.PrefectProgress({"accuracy": 0.25}, min_interval_s=min_interval_s,
+                                                  clock=lambda: now[0])
         state = TrainerState(max_steps=20, is_world_process_zero=True)
         progress.on_train_begin(None, state, None)
         for step in range(1, 21):
-            state.global_step = step
+            state.global_step, now[0] = step, 2.0 * step
             progress.on_step_end(None, state, None)
             if step % 10 == 0:
                 progress.on_log(None, state, None, logs={"reward": step / 40, "reward_std": 0.1})
@@ -108,8 +112,8 @@ def test_progress_artifact_is_written_at_logs_and_the_end_and_throttled_between(
         return str(progress.artifact_ids[0])
 
     artifact_id = train_like(3600.0)
-    assert written == ["step 1/20 · eval accuracy before 0.250",  # the first step: nothing written yet
-                       "step 10/20 · reward 0.250 ±0.10 · eval accuracy before 0.250",  # a logging step
+    assert written == ["step 1/20 · eval accuracy before 0.250 · ETA 38s (19 steps left)",  # the first step
+                       "step 10/20 · reward 0.250 ±0.10 · eval accuracy before 0.250 · ETA 20s (10 steps left)",
                        "step 20/20 · reward 0.250 ±0.10 · eval accuracy before 0.250",  # the last step
                        "step 20/20 · reward 0.500 ±0.10 · eval accuracy before 0.250",  # its log
                        "step 20/20 · reward 0.500 ±0.10 · eval accuracy before 0.250"], written  # the end
@@ -120,6 +124,42 @@ def test_progress_artifact_is_written_at_logs_and_the_end_and_throttled_between(
     written.clear()
     train_like(0.0)  # no throttle: every step, both logs and the end
     assert len(written) == 20 + 2 + 1, written
+
+
+def test_a_resumed_training_says_where_it_continues_and_its_eta_counts_from_there(prefect_in_process):
+    """Resumed from checkpoint-43 of 150, the console says so first, and the console line and the progress artifact
+    give the ETA for the 100 steps left at the pace of the 7 steps run since the resume (2 s each, on the test's
+    clock: 3m20s), not of steps an earlier process ran."""
+    from prefect import flow
+    from transformers import TrainerState
+
+    from flows.progress import PrefectProgress
+    from grpo.training.train import ConsoleProgress
+
+    @flow
+    def resumed() -> tuple[list[str], str]:
+        now, lines = [1000.0], []
+        console = ConsoleProgress(lines.append, resumed_from=Path("runs/x/checkpoints/checkpoint-43"),
+                                  clock=lambda: now[0])
+        progress = PrefectProgress(min_interval_s=0.0, clock=lambda: now[0])
+        state = TrainerState(max_steps=150, global_step=43, is_world_process_zero=True)  # the checkpoint's state
+        for callback in (console, progress):
+            callback.on_train_begin(None, state, None)
+        for step in range(44, 51):
+            state.global_step, now[0] = step, now[0] + 2.0
+            progress.on_step_end(None, state, None)
+        for callback in (console, progress):
+            callback.on_log(None, state, None, logs={"reward": 0.5, "loss": 0.01})
+        console.on_log(None, state, None, logs={"train_runtime": 14.0})  # the trainer's closing summary
+        return lines, str(progress.artifact_ids[0])
+
+    lines, artifact_id = resumed()
+    assert lines == ["resumed from checkpoint-43: step 43 of 150",
+                     "step 50/150 | reward 0.500 | loss 0.01 | 2.0 s/step | ETA 3m20s (100 steps left)",
+                     "train: 7 steps in 14s, from step 43 to 50"], lines
+    [artifact] = prefect_in_process.query("artifacts/filter", {"limit": 5, "offset": 0,
+                                                               "artifacts": {"id": {"any_": [artifact_id]}}})
+    assert artifact["description"] == "step 50/150 · reward 0.500 · ETA 3m20s (100 steps left)", artifact
 
 
 def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefect_in_process, mlflow_server):
@@ -134,7 +174,7 @@ def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefe
     flow_run_id = summary["prefect_flow_run_id"]
     runs = flow_runs_by_name(flow_run_id)
     assert {name: len(r) for name, r in runs.items()} == {"grpo-pipeline": 1, "grpo-prep": 1, "grpo-plan": 1,
-                                                          "grpo-train": 1, "grpo-eval": 2}, runs
+                                                          "grpo-policy": 1, "grpo-train": 1, "grpo-eval": 2}, runs
     assert str(runs["grpo-pipeline"][0].id) == flow_run_id
     assert all(r.state.is_completed() for rs in runs.values() for r in rs)
     ids = [str(r.id) for rs in runs.values() for r in rs]
@@ -170,7 +210,7 @@ def test_pipeline_run_is_one_prefect_flow_run_and_one_mlflow_run(tmp_path, prefe
     assert run.data.tags["prefect.flow_run_id"] == summary["prefect_flow_run_id"]
     for name in ("torch", "transformers", "trl", "accelerate", "datasets", "mlflow", "prefect"):
         assert run.data.tags[f"grpo.version.{name}"] == metadata.version(name), name
-    missing = ({f"train/{k}" for k in TRAIN_METRICS | TOOLKIT_METRICS} | STAGE_METRICS) - set(run.data.metrics)
+    missing = ({train_key(k) for k in TRAIN_METRICS | TOOLKIT_METRICS} | STAGE_METRICS) - set(run.data.metrics)
     assert not missing, missing
     # one-off figures are params, not single-point metric charts; eval before/after is one line
     assert not [k for k in run.data.metrics if k.startswith(("prep/", "plan/")) or k.endswith(("_before", "_after"))]

@@ -19,7 +19,7 @@ __all__ = ["LocalStages", "run_experiment"]
 
 
 class LocalStages:
-    """Each stage as a direct call into :mod:`grpo.pipeline.stages` (prep and plan through their content-addressed
+    """Each stage as a direct call into :mod:`grpo.pipeline.stages` (prep, plan and the tiny policy through their
     caches)."""
 
     def started(self, run: RunDir, tracker: MlflowTracker | None) -> None:
@@ -30,6 +30,9 @@ class LocalStages:
 
     def plan(self, cfg: ExperimentConfig, data_dir: str, content_hash: str) -> dict[str, Any]:
         return stages.cached_plan(cfg, data_dir, content_hash)
+
+    def policy(self, cfg: ExperimentConfig, data_dir: str, log: Callable[[str], None]) -> dict[str, Any]:
+        return stages.cached_policy(cfg, data_dir, log=log)
 
     def evaluate(self, cfg: ExperimentConfig, model: str, data_dir: str, out_file: str, tag: str) -> dict[str, Any]:
         return stages.evaluate_model(cfg, model, data_dir, out_file)

@@ -1,5 +1,5 @@
-"""The experiment, written once: prep → plan → eval (before) → GRPO → eval (after), into one run directory and
-one MLflow run. Read it top to bottom.
+"""The experiment, written once: prep → plan → policy → eval (before) → GRPO → eval (after), into one run directory
+and one MLflow run. Read it top to bottom.
 
 Every path runs this function with a different :class:`StageRunner`: ``grpo run`` and the Prefect UI run each stage
 as a named Prefect subflow with its caching, retries and artifacts (``flows/pipeline.py``); ``torchrun`` /
@@ -23,7 +23,7 @@ from grpo.config import ExperimentConfig
 from grpo.console import quiet_library_noise
 from grpo.errors import DataError
 from grpo.pipeline.run_context import RunContext
-from grpo.pipeline.stages import plan_summary, prep_summary
+from grpo.pipeline.stages import plan_summary, policy_summary, prep_summary
 from grpo.runs import RunDir
 from grpo.tracking.run_tracking import (
     end_status,
@@ -50,6 +50,10 @@ class StageRunner(Protocol):
 
     def plan(self, cfg: ExperimentConfig, data_dir: str, content_hash: str) -> dict[str, Any]:
         """The sampler plan's summary with ``plan_path``."""
+
+    def policy(self, cfg: ExperimentConfig, data_dir: str, log: Log) -> dict[str, Any]:
+        """The tiny model GRPO starts from, in its cache entry: built and warm-started when missing, its progress
+        through ``log`` (:func:`grpo.pipeline.stages.cached_policy`)."""
 
     def evaluate(self, cfg: ExperimentConfig, model: str, data_dir: str, out_file: str, tag: str) -> dict[str, Any]:
         """Accuracy and pass@k of ``model`` (``"policy"`` or a trained model's directory), written to ``out_file``."""
@@ -114,7 +118,11 @@ def _stages(cfg: ExperimentConfig, run: RunDir, stages: StageRunner, resume: boo
         run.write_json("inputs.json", {"data_dir": data_dir, "data_content_hash": prep["content_hash"],
                                        "plan_path": plan["plan_path"]})
 
-    # 3. Evaluate the starting policy (kept from the first attempt when resuming).
+    # 3. Policy: the tiny model is built and warm-started once per model, data and environment, into the cache.
+    if main and cfg.model.is_tiny:
+        log(policy_summary(stages.policy(cfg, data_dir, log)))
+
+    # 4. Evaluate the starting policy (kept from the first attempt when resuming).
     before = run.read_json("eval_before.json") if resume else None
     if main and before is None and cfg.evaluation.enabled and cfg.evaluation.before_training:
         before = stages.evaluate(cfg, "policy", data_dir, str(run.path / "eval_before.json"), "before")
@@ -122,12 +130,12 @@ def _stages(cfg: ExperimentConfig, run: RunDir, stages: StageRunner, resume: boo
         log_numbers(tracker, eval_metrics(before), step=0)
         log(f"eval before: accuracy {before['accuracy']:.3f}{_env_line(before)}")
 
-    # 4. GRPO on every rank, resuming from the last checkpoint when there is one.
+    # 5. GRPO on every rank, resuming from the last checkpoint when there is one.
     trained = stages.train(cfg, run, data_dir, plan["plan_path"], resume, context, log)
     if not main:
         return None
 
-    # 5. Evaluate the trained model, write the summary, attach the artifacts.
+    # 6. Evaluate the trained model, write the summary, attach the artifacts.
     after = None
     if cfg.evaluation.enabled:
         after = stages.evaluate(cfg, trained["model_dir"], data_dir, str(run.path / "eval_after.json"), "after")

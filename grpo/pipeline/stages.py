@@ -1,9 +1,10 @@
-"""The pipeline's stages as plain functions that pass paths: prep → plan → train → eval.
+"""The pipeline's stages as plain functions that pass paths: prep → plan → policy → eval → train → eval.
 
 The recipe (:mod:`grpo.pipeline.recipe`) sequences them; :class:`grpo.pipeline.experiment.LocalStages` calls them
 directly and the Prefect flows in ``flows/`` call the same functions as subflows. Each stage reads what the previous one
 wrote (Parquet data, a plan file, a model directory) and returns a small JSON-able summary, so nothing large travels
-between stages. Prepared data and plans are cached in content-addressed directories (:mod:`grpo.pipeline.cache_dirs`).
+between stages. Prepared data and plans are cached in content-addressed directories (:mod:`grpo.pipeline.cache_dirs`),
+the warm-started tiny model in its cache entry (:mod:`grpo.training.policy`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from grpo.pipeline.prep import load_prepared, prepare_dataset
 from grpo.rewards import get_reward
 from grpo.runs import RunDir
 from grpo.training.evaluation import EvalResult, evaluate_environment, evaluate_policy
-from grpo.training.policy import Policy, load_policy, plan_tokenizer, trained_policy
+from grpo.training.pace import duration
+from grpo.training.policy import Policy, build_tiny_policy, load_policy, plan_tokenizer, trained_policy
 from grpo.training.prompts import prompt_texts
 from grpo.training.train import train_grpo
+from grpo.training.warm_start import Report
 
 
 def prep_stage(cfg: ExperimentConfig, out_dir: Path) -> dict[str, Any]:
@@ -65,6 +68,24 @@ def prep_summary(stats: dict[str, Any]) -> str:
 def policy_stage(cfg: ExperimentConfig, data_dir: Path, log=print) -> Policy:
     """The policy GRPO starts from: the cached tiny model (built and warm-started once) or a hub/local model."""
     return load_policy(cfg, load_prepared(data_dir), log=log)
+
+
+def cached_policy(cfg: ExperimentConfig, data_dir: str | Path, log=print, report: Report | None = None
+                  ) -> dict[str, Any]:
+    """The ``policy`` stage: the tiny model GRPO starts from, built and warm-started into its cache entry when
+    missing (once per model, data and environment), its progress through ``log`` and ``report``; the stages after
+    it load the entry. See :func:`grpo.training.policy.build_tiny_policy` for the record."""
+    return build_tiny_policy(cfg, load_prepared(Path(data_dir)), log=log, report=report)
+
+
+def policy_summary(record: dict[str, Any]) -> str:
+    """The policy stage's console line: where the tiny model is, and how it got there."""
+    if record["origin"] == "built":
+        how = "warm-started" if record["warm_start_steps"] else "built (no warm start)"
+        return f"policy: tiny model {how} in {duration(record['seconds'])}, cached in {record['source']}"
+    if record["origin"] == "shipped":
+        return f"policy: tiny model shipped with the platform for this preset, copied into {record['source']}"
+    return f"policy: tiny model from the cache, {record['source']}"
 
 
 def plan_stage(cfg: ExperimentConfig, data_dir: Path, out_dir: Path, tokenizer=None,

@@ -1,7 +1,8 @@
 """Build or load the policy (model + tokenizer), caching the tiny default on disk so reruns skip it.
 
 The cache key covers everything that determines the artefact (model shape, warm start, data, alphabet, code
-version), so changing a GRPO field reuses the warm-started model while changing the data rebuilds it.
+version), so changing a GRPO field reuses the warm-started model while changing the data rebuilds it. The tiny
+presets' own models ship with the package (:func:`shipped_policies`): their first run copies one into the cache.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +32,16 @@ from grpo.tasks import calculator_demonstrations, flawed_addition_demonstrations
 from grpo.training.graceful_stop import stop_requested
 from grpo.training.prompts import prompt_texts
 from grpo.training.tiny_model import alphabet_of, build_char_tokenizer, build_tiny_qwen2
-from grpo.training.warm_start import supervised_warm_start
+from grpo.training.warm_start import (
+    FasterThreads,
+    Report,
+    WarmStartProgress,
+    intra_op_threads,
+    supervised_warm_start,
+)
 
-CACHE_VERSION = 1  # bump when the tiny model/tokenizer/warm-start code changes meaning
+CACHE_VERSION = 1  # bump when the tiny model/tokenizer/warm-start code changes meaning (then rebuild the shipped
+# models: python -m grpo.pipeline.shipped_policies)
 
 
 @dataclass
@@ -98,56 +108,109 @@ def _load_policy(cfg: ExperimentConfig, data: DatasetDict, log=print) -> Policy:
     model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, **kwargs)
     losses: list[float] = []
     if cfg.model.warm_start.steps:
-        ws = cfg.model.warm_start
-        prompts, answers = warm_start_pairs(data, cfg, tokenizer)
-        losses = supervised_warm_start(
-            model, tokenizer, prompts, answers, ws.steps, ws.batch_size, ws.learning_rate, cfg.grpo.seed,
-        )
+        losses = _warm_start(model, tokenizer, data, cfg, log)
     return Policy(model, tokenizer, cfg.model.name_or_path, False, time.perf_counter() - start, losses)
 
 
-def _tiny_policy(cfg: ExperimentConfig, data: DatasetDict, log) -> Policy:
-    """The warm-started tiny model of this config, from the cache or built into it. Built under the entry's lock, so
-    processes that need the same model at once (ranks, sweep trials, parallel tests) build it once: the first
-    builds, the others wait and load it."""
+def tiny_policy_entry(cfg: ExperimentConfig, data: DatasetDict) -> Path:
+    """The cache entry of this config's warm-started tiny model (built or not)."""
+    return cache_root() / f"tiny-{tiny_cache_key(cfg, policy_alphabet(data, cfg))}"
+
+
+def shipped_policies() -> Traversable:
+    """The folder of the warm-started tiny models that ship with the package (``grpo/presets/policies/``): the tiny
+    presets' own, one folder per cache entry (``tiny-<key>``), so a preset's first run copies its model instead of
+    warm-starting one. ``python -m grpo.pipeline.shipped_policies`` rebuilds them."""
+    return resources.files("grpo").joinpath("presets", "policies")
+
+
+def build_tiny_policy(cfg: ExperimentConfig, data: DatasetDict, log=print, report: Report | None = None,
+                      use_shipped: bool = True) -> dict[str, Any]:
+    """The pipeline's ``policy`` stage for the tiny model: its cache entry, filled when missing (once per model, data
+    and environment; the stages after this one load it): copied from :func:`shipped_policies` for a tiny preset,
+    otherwise built and warm-started, its progress through ``log`` and ``report``
+    (:class:`~grpo.training.warm_start.WarmStartProgress`). Returns ``source`` (the entry), ``origin`` (``built``,
+    ``shipped``: copied now, or ``cache``: there already), ``seconds`` and the warm start's ``warm_start_steps``,
+    ``loss_first`` and ``loss_last``. ``use_shipped``: False builds the model even when one ships (to rebuild
+    those)."""
     start = time.perf_counter()
-    alphabet = policy_alphabet(data, cfg)
-    path = cache_root() / f"tiny-{tiny_cache_key(cfg, alphabet)}"
-    if not (path / "done.json").is_file():
-        with locked(path):
-            if not (path / "done.json").is_file():
-                return _build_tiny_policy(cfg, data, alphabet, path, start, log)
+    path = tiny_policy_entry(cfg, data)
+    with model_turn(log):
+        origin, _ = _fill_entry(cfg, data, path, start, log, report, use_shipped)
+    losses = json.loads((path / "done.json").read_text())["warm_start_losses"]
+    return {"source": str(path), "origin": origin, "seconds": round(time.perf_counter() - start, 2),
+            "warm_start_steps": len(losses), "loss_first": losses[0] if losses else None,
+            "loss_last": losses[-1] if losses else None}
+
+
+def _tiny_policy(cfg: ExperimentConfig, data: DatasetDict, log) -> Policy:
+    """The warm-started tiny model of this config, from the cache or put into it (:func:`_fill_entry`)."""
+    start = time.perf_counter()
+    path = tiny_policy_entry(cfg, data)
+    origin, built = _fill_entry(cfg, data, path, start, log)
+    if built is not None:
+        return built
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     losses = json.loads((path / "done.json").read_text())["warm_start_losses"]
-    log(f"policy: reusing cached tiny model {path}")
+    log(f"policy: tiny model shipped with the platform, copied into {path}" if origin == "shipped"
+        else f"policy: reusing cached tiny model {path}")
     return Policy(model, tokenizer, str(path), True, time.perf_counter() - start, losses)
 
 
-def _build_tiny_policy(cfg: ExperimentConfig, data: DatasetDict, alphabet: str, path: Path, start: float,
-                       log) -> Policy:
-    t, ws = cfg.model.tiny, cfg.model.warm_start
-    tokenizer = build_char_tokenizer(alphabet)
+def _fill_entry(cfg: ExperimentConfig, data: DatasetDict, path: Path, start: float, log,
+                report: Report | None = None, use_shipped: bool = True) -> tuple[str, Policy | None]:
+    """Fill the cache entry ``path`` when it is missing: from the shipped models, or built (then the built policy is
+    returned too, so the caller need not load it). Under the entry's lock, so processes that need the same model at
+    once (ranks, sweep trials, parallel tests) fill it once: the first fills, the others wait and load it."""
+    if (path / "done.json").is_file():
+        return "cache", None
+    with locked(path):
+        if (path / "done.json").is_file():
+            return "cache", None
+        shipped = shipped_policies().joinpath(path.name)
+        if use_shipped and shipped.joinpath("done.json").is_file():
+            tmp = _new_entry(path)
+            for item in shipped.iterdir():
+                (tmp / item.name).write_bytes(item.read_bytes())
+            _publish(tmp, path)
+            return "shipped", None
+        return "built", _build_tiny_policy(cfg, data, path, start, log, report)
+
+
+def _build_tiny_policy(cfg: ExperimentConfig, data: DatasetDict, path: Path, start: float, log,
+                       report: Report | None = None) -> Policy:
+    t = cfg.model.tiny
+    tokenizer = build_char_tokenizer(policy_alphabet(data, cfg))
     model = build_tiny_qwen2(
         tokenizer, t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.intermediate_size,
         t.max_position_embeddings, cfg.grpo.seed,
     )
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"policy: built tiny Qwen2 ({n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}); "
-        f"warm start {ws.steps} steps")
-    losses = _warm_start_with_progress(model, tokenizer, data, cfg)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+    log(f"policy: building the tiny Qwen2 ({n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}) into {path}, "
+        "once for this model, data and environment: later runs reuse it")
+    losses = _warm_start(model, tokenizer, data, cfg, log, report, threads=FasterThreads())
+    tmp = _new_entry(path)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "done.json").write_text(json.dumps({"warm_start_losses": losses, "parameters": n_params}))
+    _publish(tmp, path)
+    # As if loaded from the cache: TRL builds the reference model (beta > 0) from the policy config's name_or_path.
+    model.name_or_path = model.config._name_or_path = str(path)
+    return Policy(model, tokenizer, str(path), False, time.perf_counter() - start, losses)
+
+
+def _new_entry(path: Path) -> Path:
+    """A fresh folder beside cache entry ``path`` to write it in, then :func:`_publish` it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+
+
+def _publish(tmp: Path, path: Path) -> None:
     try:
         tmp.rename(path)  # atomic: a reader never sees a half-written model (a cache without the lock, e.g. NFS)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-    # As if loaded from the cache: TRL builds the reference model (beta > 0) from the policy config's name_or_path.
-    model.name_or_path = model.config._name_or_path = str(path)
-    return Policy(model, tokenizer, str(path), False, time.perf_counter() - start, losses)
 
 
 def warm_start_pairs(data: DatasetDict, cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase
@@ -186,22 +249,29 @@ def policy_alphabet(data: DatasetDict, cfg: ExperimentConfig) -> str:
     return alphabet
 
 
-def _warm_start_with_progress(model, tokenizer, data: DatasetDict, cfg: ExperimentConfig) -> list[float]:
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
+def _warm_start(model, tokenizer, data: DatasetDict, cfg: ExperimentConfig, log, report: Report | None = None,
+                threads: FasterThreads | None = None) -> list[float]:
+    """``model.warm_start`` on ``model``, its start and progress said through ``log`` and ``report``; ``threads``
+    picks torch's intra-op threads meanwhile (None: the process's)."""
     ws = cfg.model.warm_start
+    if ws.steps <= 0:
+        return []
     prompts, answers = warm_start_pairs(data, cfg, tokenizer)
-    with Progress(
-        TextColumn("warm start"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
-        TimeRemainingColumn(), transient=True,
-        disable=not Console().is_terminal,  # a bar for a terminal; in a log or pipe it left a stray blank line
-    ) as progress:
-        task = progress.add_task("warm", total=ws.steps, loss=float("nan"))
-        return supervised_warm_start(
-            model, tokenizer, prompts, answers, ws.steps, ws.batch_size, ws.learning_rate, cfg.grpo.seed,
-            on_step=lambda step, loss: progress.update(task, completed=step + 1, loss=loss),
-        )
+    log(f"warm start: {ws.steps} supervised steps of {ws.batch_size} demonstrations "
+        f"(of {len(prompts)}), learning rate {ws.learning_rate:g}")
+    progress = WarmStartProgress(ws.steps, log, report)
+
+    def on_step(step: int, loss: float) -> None:
+        if threads is not None:
+            threads(step, loss)
+        progress(step, loss)
+
+    with intra_op_threads(None):  # the process's threads again after
+        progress.start()
+        if threads is not None:
+            threads.start()
+        return supervised_warm_start(model, tokenizer, prompts, answers, ws.steps, ws.batch_size, ws.learning_rate,
+                                     cfg.grpo.seed, on_step=on_step)
 
 
 def load_tokenizer(cfg: ExperimentConfig) -> PreTrainedTokenizerBase:
