@@ -26,6 +26,23 @@ def test_char_tokenizer_round_trips_and_has_special_tokens():
     assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "12+34=46"
 
 
+def test_a_saved_tiny_tokenizer_loads_as_it_was_built(tmp_path):
+    """A cached, shipped or trained tiny policy's tokenizer is the one its warm start trained with. transformers 5's
+    AutoTokenizer rebuilt it as Qwen2's from the model's config.json: spaces dropped (``error: off|`` read
+    ``error:off|``: the calculator's tool-off reply), one token more than the vocabulary, padding on the right."""
+    from grpo.training.tiny_model import build_tiny_qwen2, load_tokenizer_from
+
+    built = build_char_tokenizer("0123456789+=[]|:abcdefghijklmnopqrstuvwxyz ")
+    model = build_tiny_qwen2(built, 16, 1, 2, 32, 64, seed=0)
+    model.save_pretrained(tmp_path)
+    built.save_pretrained(tmp_path)  # a cache entry's layout: config.json (qwen2) beside the tokenizer
+    loaded = load_tokenizer_from(tmp_path)
+    text = "27+15=[27+15]error: off|42"
+    assert loaded(text)["input_ids"] == built(text)["input_ids"]
+    assert loaded.decode(loaded(text)["input_ids"]) == text
+    assert len(loaded) == len(built) == model.config.vocab_size and loaded.padding_side == "left"
+
+
 def test_tiny_policy_builds_offline_learns_format_and_is_cached(tmp_path, capfd):
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     cfg = load_config(None, ["data.num_train=800", "data.num_eval=100", "model.tiny.hidden_size=64",

@@ -86,7 +86,7 @@ def log_model(
     import mlflow.transformers
     from huggingface_hub import ModelCard
     from mlflow.entities import LoggedModelStatus
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if tracker.run_id is None:
         raise TrackingError("log_model: the tracker is not started")
@@ -96,6 +96,7 @@ def log_model(
     model_dir = Path(model_dir).resolve()
     tokenizer_dir = Path(tokenizer_dir).resolve() if tokenizer_dir else model_dir
     from grpo.training.policy import MODEL_LOCK, is_adapter_dir, load_adapted
+    from grpo.training.tiny_model import load_tokenizer_from
 
     with MODEL_LOCK:
         # A LoRA run's model/ is a peft adapter, logged as a peft model: MLflow stores the adapter and references the
@@ -103,7 +104,7 @@ def log_model(
         # with peft's layer names and loads as random weights), and load_model returns the PeftModel.
         adapter = is_adapter_dir(model_dir)
         model = load_adapted(model_dir) if adapter else AutoModelForCausalLM.from_pretrained(str(model_dir))
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        tokenizer = load_tokenizer_from(tokenizer_dir)
     extra = {}
     if adapter and Path(model.peft_config["default"].base_model_name_or_path).is_dir():
         extra["base_model_path"] = model.peft_config["default"].base_model_name_or_path

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from datasets import DatasetDict
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import ExperimentConfig
 from grpo.environments.chat import config_chat_tools
@@ -31,7 +31,7 @@ from grpo.paths import cache_root, locked
 from grpo.tasks import calculator_demonstrations, flawed_addition_demonstrations, guess_digit_demonstrations
 from grpo.training.graceful_stop import stop_requested
 from grpo.training.prompts import prompt_texts
-from grpo.training.tiny_model import alphabet_of, build_char_tokenizer, build_tiny_qwen2
+from grpo.training.tiny_model import alphabet_of, build_char_tokenizer, build_tiny_qwen2, load_tokenizer_from
 from grpo.training.warm_start import (
     FasterThreads,
     Report,
@@ -150,7 +150,7 @@ def _tiny_policy(cfg: ExperimentConfig, data: DatasetDict, log) -> Policy:
     origin, built = _fill_entry(cfg, data, path, start, log)
     if built is not None:
         return built
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer_from(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     losses = json.loads((path / "done.json").read_text())["warm_start_losses"]
     log(f"policy: tiny model shipped with the platform, copied into {path}" if origin == "shipped"
@@ -276,7 +276,7 @@ def _warm_start(model, tokenizer, data: DatasetDict, cfg: ExperimentConfig, log,
 
 def load_tokenizer(cfg: ExperimentConfig) -> PreTrainedTokenizerBase:
     """The model's tokenizer with ``model.chat_template`` in place of its own, when set."""
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+    tokenizer = load_tokenizer_from(cfg.model.name_or_path)
     template = cfg.model.chat_template_text()
     if template:
         tokenizer.chat_template = template
@@ -303,7 +303,7 @@ def trained_policy(model_dir: Path) -> Policy:
             model = load_adapted(model_dir, dtype).merge_and_unload()
         else:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        return Policy(model, AutoTokenizer.from_pretrained(model_dir), str(model_dir), True, 0.0, [])
+        return Policy(model, load_tokenizer_from(model_dir), str(model_dir), True, 0.0, [])
 
 
 # ---------------------------------------------------------------- LoRA adapters (model.lora)
@@ -327,7 +327,7 @@ def name_adapter_base(model, source: str) -> None:
 def load_adapted(model_dir: str | Path, dtype: Any = "auto"):
     """The ``peft.PeftModel`` saved in ``model_dir``: its base (named in the adapter config) with the adapter applied.
     Not peft's ``AutoPeftModelForCausalLM``: that resizes the base's embeddings to ``len(tokenizer)`` when a tokenizer
-    sits beside the adapter, and the tiny model's tokenizer counts one token more than its vocabulary."""
+    sits beside the adapter, and a tokenizer may count more tokens than the model's vocabulary."""
     from peft import PeftConfig, PeftModel
 
     base = PeftConfig.from_pretrained(str(model_dir)).base_model_name_or_path
@@ -341,7 +341,7 @@ def save_merged_model(adapter_dir: Path, out_dir: Path) -> Path:
     untouched."""
     with MODEL_LOCK:
         merged = load_adapted(adapter_dir, "auto").merge_and_unload()
-        tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+        tokenizer = load_tokenizer_from(adapter_dir)
     out_dir = Path(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     merged.save_pretrained(tmp)

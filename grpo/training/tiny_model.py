@@ -6,13 +6,15 @@ code and cached on disk by :mod:`grpo.training.policy`.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 if TYPE_CHECKING:
     from datasets import DatasetDict
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 
@@ -27,6 +29,26 @@ def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS)
     fast.padding_side = "left"  # generation pads prompts on the left
     return fast
+
+
+# What a tokenizer built by build_char_tokenizer saves as its class: a generic fast tokenizer over its tokenizer.json.
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer_from(name_or_path: str | Path) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer.from_pretrained``, except for a saved tiny tokenizer (a folder whose ``tokenizer_config.json``
+    names a generic fast tokenizer), loaded as exactly what was saved, padding on the left as built.
+
+    transformers 5's ``AutoTokenizer`` picks the class from the model's ``config.json`` (``qwen2``) and rebuilds
+    Qwen2's byte-level pipeline over the saved vocabulary: that tokenizer drops spaces (``error: off|`` became
+    ``error:off|``) and counts one token more than the vocabulary, so every cached or trained tiny policy tokenised
+    text with spaces (environment observations, tool results) unlike the one the warm start trained."""
+    config = Path(name_or_path) / "tokenizer_config.json"
+    if config.is_file() and json.loads(config.read_text()).get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(name_or_path))
+        tokenizer.padding_side = "left"
+        return tokenizer
+    return AutoTokenizer.from_pretrained(str(name_or_path))
 
 
 def build_tiny_qwen2(
