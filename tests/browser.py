@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,21 @@ def require_chromium() -> None:
         pytest.fail(f"{CHROMIUM} is missing: run .ci/run (it installs it) or `apt-get install -y chromium`",
                     pytrace=False)
     SCREENSHOTS.mkdir(exist_ok=True)
+
+
+@contextmanager
+def chromium_page(width: int = 1400, height: int = 1000) -> Iterator:
+    """One page of a fresh headless Chromium (a new profile: the apps' defaults, nothing chosen before) in a
+    ``width`` x ``height`` viewport; the browser is closed after the block, whatever happens in it."""
+    from playwright.sync_api import sync_playwright
+
+    require_chromium()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield browser.new_page(viewport={"width": width, "height": height})
+        finally:
+            browser.close()
 
 
 def form_property(page, label: str):

@@ -14,56 +14,44 @@ from grpo.tracking.model_logging import log_model
 from grpo.tracking.run_tracking import eval_metrics, log_numbers, log_plan, log_prep
 from grpo.tracking.store import mlflow_ui_url
 from grpo.tracking.tracker import MlflowCallback, MlflowTracker
+from tests.browser import chromium_page
 from tests.conftest import REPO
 from tests.test_dashboard import SWEEP_PLOTS, SWEEP_RUNS, TINY_LEGENDS, make_experiment, make_tiny_experiment
 
 pytestmark = pytest.mark.integration
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 SCREENSHOT = REPO / "test-output" / "dashboard.png"
 
 
 def test_dashboard_renders_in_chromium(tmp_path, mlflow_server):
-    if not CHROMIUM.is_file():
-        pytest.fail(f"{CHROMIUM} is missing: run .ci/run (it installs it) or `apt-get update && apt-get install -y "
-                    "chromium`; the browser test needs the Debian chromium package", pytrace=False)
-    from playwright.sync_api import sync_playwright
-
     exp = make_experiment(mlflow_server.uri)
     page_file = build_dashboard(mlflow_server.uri, exp["experiment"], exp["sweep"], out=tmp_path / "dashboard.html")
 
     errors: list[str] = []
     foreign: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.on("console", lambda msg: errors.append(f"console: {msg.text}") if msg.type == "error" else None)
-            page.on("pageerror", lambda err: errors.append(f"pageerror: {err}"))
-            page.on("request", lambda req: None if req.url.startswith(("file:", "data:", "blob:"))
-                    else foreign.append(req.url))
-            page.goto(page_file.as_uri(), wait_until="load")
-            n = len(SWEEP_PLOTS)
-            page.wait_for_function(
-                f"document.querySelectorAll('.js-plotly-plot').length === {n} && "
-                "[...document.querySelectorAll('.js-plotly-plot')].every(d => d.querySelector('svg.main-svg'))",
-                timeout=20_000,
-            )
-            rendered = page.eval_on_selector_all(".js-plotly-plot", "els => els.map(e => e.id)")
-            svgs = page.eval_on_selector_all(".js-plotly-plot",
-                                             "els => els.map(e => e.querySelectorAll('svg.main-svg').length)")
-            # Lines and bars were drawn, not just empty axes.
-            reward_lines = page.locator("#panel-reward .scatterlayer .trace").count()
-            bars = page.locator("#panel-eval .barlayer .point").count()
-            legend = page.locator("#panel-reward .legend .legendtext").all_text_contents()
-            table_rows = page.locator("#final-metrics tbody tr").count()
-            title = page.locator("#dashboard-title").inner_text()
-            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(SCREENSHOT), full_page=True)
-        finally:
-            browser.close()
+    with chromium_page(1280, 900) as page:
+        page.on("console", lambda msg: errors.append(f"console: {msg.text}") if msg.type == "error" else None)
+        page.on("pageerror", lambda err: errors.append(f"pageerror: {err}"))
+        page.on("request", lambda req: None if req.url.startswith(("file:", "data:", "blob:"))
+                else foreign.append(req.url))
+        page.goto(page_file.as_uri(), wait_until="load")
+        n = len(SWEEP_PLOTS)
+        page.wait_for_function(
+            f"document.querySelectorAll('.js-plotly-plot').length === {n} && "
+            "[...document.querySelectorAll('.js-plotly-plot')].every(d => d.querySelector('svg.main-svg'))",
+            timeout=20_000,
+        )
+        rendered = page.eval_on_selector_all(".js-plotly-plot", "els => els.map(e => e.id)")
+        svgs = page.eval_on_selector_all(".js-plotly-plot",
+                                         "els => els.map(e => e.querySelectorAll('svg.main-svg').length)")
+        # Lines and bars were drawn, not just empty axes.
+        reward_lines = page.locator("#panel-reward .scatterlayer .trace").count()
+        bars = page.locator("#panel-eval .barlayer .point").count()
+        legend = page.locator("#panel-reward .legend .legendtext").all_text_contents()
+        table_rows = page.locator("#final-metrics tbody tr").count()
+        title = page.locator("#dashboard-title").inner_text()
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SCREENSHOT), full_page=True)
 
     assert rendered == SWEEP_PLOTS
     assert all(count >= 1 for count in svgs), dict(zip(rendered, svgs))
@@ -84,25 +72,20 @@ def test_experiment_dashboard_shows_settings_and_eval_columns_in_chromium(tmp_pa
     legend names the runs by the settings that differ (it listed the run names), and the final-metrics table shows
     its eval columns within the page (they were past its right edge, behind 8 param columns): each header cell's box
     lies inside the viewport and inside the table's scroll area. Screenshot: test-output/dashboard-experiment.png."""
-    from playwright.sync_api import sync_playwright
 
     exp = make_tiny_experiment(mlflow_server.uri)
     page_file = build_dashboard(mlflow_server.uri, exp["experiment"], out=tmp_path / "experiment.html")
     shot = REPO / "test-output" / "dashboard-experiment.png"
-    with sync_playwright() as p:
-        browser, page = _chromium_page(p, 1280, 900)
-        try:
-            page.goto(page_file.as_uri(), wait_until="load")
-            page.wait_for_function("document.querySelector('#panel-reward svg.main-svg')", timeout=20_000)
-            legend = page.locator("#panel-reward .legend .legendtext").all_text_contents()
-            page.locator("#final-metrics").scroll_into_view_if_needed()
-            wrap = page.locator("#final-metrics-section .table-wrap").bounding_box()
-            boxes = {h: page.locator("#final-metrics th", has_text=re.compile(rf"^{re.escape(h)}$")).bounding_box()
-                     for h in ("run", "eval accuracy before", "eval accuracy after", "pass@k after", "final reward")}
-            shot.parent.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(shot))
-        finally:
-            browser.close()
+    with chromium_page(1280, 900) as page:
+        page.goto(page_file.as_uri(), wait_until="load")
+        page.wait_for_function("document.querySelector('#panel-reward svg.main-svg')", timeout=20_000)
+        legend = page.locator("#panel-reward .legend .legendtext").all_text_contents()
+        page.locator("#final-metrics").scroll_into_view_if_needed()
+        wrap = page.locator("#final-metrics-section .table-wrap").bounding_box()
+        boxes = {h: page.locator("#final-metrics th", has_text=re.compile(rf"^{re.escape(h)}$")).bounding_box()
+                 for h in ("run", "eval accuracy before", "eval accuracy after", "pass@k after", "final reward")}
+        shot.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(shot))
 
     assert legend == TINY_LEGENDS
     viewport_right = min(1280, wrap["x"] + wrap["width"])
@@ -173,13 +156,6 @@ def mlflow_ui_runs(tmp_path_factory, mlflow_server) -> dict:
     return {"experiment_id": experiment_id, "runs": runs, "model": models[runs[1]]}
 
 
-def _chromium_page(p, width: int = 1400, height: int = 1000):
-    if not CHROMIUM.is_file():
-        pytest.fail(f"{CHROMIUM} is missing: run .ci/run (it installs it)", pytrace=False)
-    browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-    return browser, browser.new_page(viewport={"width": width, "height": height})  # a fresh profile: MLflow's defaults
-
-
 def _chart_titles_in_page_order(page, until: str, max_scrolls: int = 40) -> list[str]:
     """The run page's chart titles from the top down to ``until``: MLflow draws only the cards in view, so the page is
     scrolled a screen at a time and the titles are collected in the order they appear."""
@@ -214,60 +190,55 @@ def test_mlflow_ui_opens_on_the_result(mlflow_server, mlflow_ui_runs):
       system metric sampled before the evaluation (system/cpu_utilization_percentage).
     Screenshots: test-output/mlflow-experiment.png, mlflow-run-metrics.png, mlflow-run-train-metrics.png,
     mlflow-models.png, mlflow-logged-model.png, mlflow-compare.png."""
-    from playwright.sync_api import sync_playwright
 
     uri, experiment_id = mlflow_server.uri, mlflow_ui_runs["experiment_id"]
     run_a, run_b = mlflow_ui_runs["runs"]
     out = REPO / "test-output"
     out.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser, page = _chromium_page(p)
-        try:
-            # MLflow's UI polls: the network never idles, so each step waits for what it reads
-            page.goto(mlflow_ui_url(uri, experiment_id), wait_until="load", timeout=60_000)
-            # MLflow redirects the experiment's page to the tab it opens on
-            page.wait_for_url(re.compile(rf".*/experiments/{experiment_id}/\w+.*"), timeout=60_000)
-            if "/runs" in page.url:
-                page.get_by_text("ui-b", exact=True).first.wait_for(timeout=60_000)
-            experiment_url = page.url
-            experiment_text = page.locator("body").inner_text()
-            page.screenshot(path=str(out / "mlflow-experiment.png"))
+    with chromium_page() as page:
+        # MLflow's UI polls: the network never idles, so each step waits for what it reads
+        page.goto(mlflow_ui_url(uri, experiment_id), wait_until="load", timeout=60_000)
+        # MLflow redirects the experiment's page to the tab it opens on
+        page.wait_for_url(re.compile(rf".*/experiments/{experiment_id}/\w+.*"), timeout=60_000)
+        if "/runs" in page.url:
+            page.get_by_text("ui-b", exact=True).first.wait_for(timeout=60_000)
+        experiment_url = page.url
+        experiment_text = page.locator("body").inner_text()
+        page.screenshot(path=str(out / "mlflow-experiment.png"))
 
-            page.goto(mlflow_ui_url(uri, experiment_id, run_a).replace("?", "/model-metrics?"), wait_until="load",
-                      timeout=60_000)
-            page.get_by_text("Add chart").first.wait_for(timeout=60_000)
-            page.wait_for_function("document.querySelector('.js-plotly-plot') && "
-                                   "document.querySelector('.js-plotly-plot').data", timeout=30_000)
-            lines = page.locator("body").inner_text().splitlines()
-            first_chart = page.evaluate("() => document.querySelector('.js-plotly-plot').data.map(t => t.x.length)")
-            page.screenshot(path=str(out / "mlflow-run-metrics.png"))
-            cards = _chart_titles_in_page_order(page, until="reward")
-            page.screenshot(path=str(out / "mlflow-run-train-metrics.png"))
+        page.goto(mlflow_ui_url(uri, experiment_id, run_a).replace("?", "/model-metrics?"), wait_until="load",
+                  timeout=60_000)
+        page.get_by_text("Add chart").first.wait_for(timeout=60_000)
+        page.wait_for_function("document.querySelector('.js-plotly-plot') && "
+                               "document.querySelector('.js-plotly-plot').data", timeout=30_000)
+        lines = page.locator("body").inner_text().splitlines()
+        first_chart = page.evaluate("() => document.querySelector('.js-plotly-plot').data.map(t => t.x.length)")
+        page.screenshot(path=str(out / "mlflow-run-metrics.png"))
+        cards = _chart_titles_in_page_order(page, until="reward")
+        page.screenshot(path=str(out / "mlflow-run-train-metrics.png"))
 
-            page.goto(f"{uri}/#/experiments/{experiment_id}/models?workflowType=machine_learning", wait_until="load",
-                      timeout=60_000)
-            page.get_by_text("ui-b").first.wait_for(timeout=60_000)
-            # the links of the grid's "Model name" column (ag-grid column id "name")
-            model_names = page.eval_on_selector_all(".ag-row [col-id=name] a", "links => links.map(a => a.innerText)")
-            models_text = page.locator("body").inner_text()
-            page.screenshot(path=str(out / "mlflow-models.png"))
+        page.goto(f"{uri}/#/experiments/{experiment_id}/models?workflowType=machine_learning", wait_until="load",
+                  timeout=60_000)
+        page.get_by_text("ui-b").first.wait_for(timeout=60_000)
+        # the links of the grid's "Model name" column (ag-grid column id "name")
+        model_names = page.eval_on_selector_all(".ag-row [col-id=name] a", "links => links.map(a => a.innerText)")
+        models_text = page.locator("body").inner_text()
+        page.screenshot(path=str(out / "mlflow-models.png"))
 
-            page.goto(f"{uri}/#/experiments/{experiment_id}/models/{mlflow_ui_runs['model']}?workflowType="
-                      "machine_learning", wait_until="load", timeout=60_000)
-            page.get_by_text(re.compile(r"^Parameters \(\d+\)$")).first.wait_for(timeout=60_000)
-            # the model's metrics arrive in a request of their own, after its parameters
-            page.get_by_text("eval/accuracy", exact=True).first.wait_for(timeout=60_000)
-            model_lines = [line.strip() for line in page.locator("body").inner_text().splitlines()]
-            page.screenshot(path=str(out / "mlflow-logged-model.png"), full_page=True)
+        page.goto(f"{uri}/#/experiments/{experiment_id}/models/{mlflow_ui_runs['model']}?workflowType="
+                  "machine_learning", wait_until="load", timeout=60_000)
+        page.get_by_text(re.compile(r"^Parameters \(\d+\)$")).first.wait_for(timeout=60_000)
+        # the model's metrics arrive in a request of their own, after its parameters
+        page.get_by_text("eval/accuracy", exact=True).first.wait_for(timeout=60_000)
+        model_lines = [line.strip() for line in page.locator("body").inner_text().splitlines()]
+        page.screenshot(path=str(out / "mlflow-logged-model.png"), full_page=True)
 
-            page.goto(f'{uri}/#/compare-runs?runs=["{run_a}","{run_b}"]&experiments=["{experiment_id}"]',
-                      wait_until="load", timeout=60_000)
-            page.get_by_text("Parallel Coordinates Plot").first.wait_for(timeout=60_000)
-            page.get_by_text("Run details").first.wait_for(timeout=60_000)
-            compare = [line.strip() for line in page.locator("body").inner_text().splitlines()]
-            page.screenshot(path=str(out / "mlflow-compare.png"))
-        finally:
-            browser.close()
+        page.goto(f'{uri}/#/compare-runs?runs=["{run_a}","{run_b}"]&experiments=["{experiment_id}"]',
+                  wait_until="load", timeout=60_000)
+        page.get_by_text("Parallel Coordinates Plot").first.wait_for(timeout=60_000)
+        page.get_by_text("Run details").first.wait_for(timeout=60_000)
+        compare = [line.strip() for line in page.locator("body").inner_text().splitlines()]
+        page.screenshot(path=str(out / "mlflow-compare.png"))
 
     # the experiment: its runs view (MLflow's URL says the tab), not the GenAI overview
     assert f"/experiments/{experiment_id}/runs" in experiment_url and "/overview" not in experiment_url, experiment_url

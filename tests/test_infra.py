@@ -20,10 +20,9 @@ import pytest
 import yaml
 
 from tests.browser import (
-    CHROMIUM,
-    CHROMIUM_ARGS,
     SCREENSHOTS,
     SECTION_TITLES,
+    chromium_page,
     form_property,
     open_section,
     open_select,
@@ -503,7 +502,7 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
     section changes nothing by itself (its on/off fields used to be sent as false). The nightly
     sweep's cron schedule is paused and resumed from the UI."""
     require_chromium()
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.pipeline import grpo_pipeline
@@ -521,116 +520,111 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
             job_variables={"working_dir": str(REPO)}).apply()
     ui = s.url.removesuffix("/api")
     errors: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.on("pageerror", lambda err: errors.append(str(err)))
-            page.goto(f"{ui}/deployments/deployment/{deployment_id}/run", wait_until="networkidle")
-            # the form renders once the deployment has loaded, which a busy shared server can delay
-            expect(page.locator(".schema-form-property__label")).to_have_count(22, timeout=120_000)
-            labels = [t.removesuffix(" (Optional)") for t in
-                      page.locator(".schema-form-property__label").all_inner_texts()]
-            assert labels[:10] == ["Preset", "Learning rate", "Training steps",
-                                   "Batch size (completions per device per step)",
-                                   "Completions per prompt (group size)", "Reward functions", "Loss type", "Seed",
-                                   "MLflow run name", "Resume"]
-            assert labels[10:] == ["Data", "Model", "GRPO training", "Sampling and balancing", "Async generation",
-                                   "Environments and tools", "Evaluation", "MLflow tracking", "Experiment",
-                                   "More settings (key=value)", "Whole config (advanced)",
-                                   "Extra MLflow run tags"]  # sections collapsed
-            body = page.locator("body").inner_text()
-            assert 'Property is type "None"' not in body and page.get_by_role("button", name="None").count() == 0
-            form_height = page.locator("form").first.bounding_box()["height"]
-            assert form_height < 4000, form_height  # was about 14,500 px
-            page.screenshot(path=str(SCREENSHOTS / "prefect-run-form.png"))
+    with chromium_page() as page:
+        page.on("pageerror", lambda err: errors.append(str(err)))
+        page.goto(f"{ui}/deployments/deployment/{deployment_id}/run", wait_until="networkidle")
+        # the form renders once the deployment has loaded, which a busy shared server can delay
+        expect(page.locator(".schema-form-property__label")).to_have_count(22, timeout=120_000)
+        labels = [t.removesuffix(" (Optional)") for t in
+                  page.locator(".schema-form-property__label").all_inner_texts()]
+        assert labels[:10] == ["Preset", "Learning rate", "Training steps",
+                               "Batch size (completions per device per step)",
+                               "Completions per prompt (group size)", "Reward functions", "Loss type", "Seed",
+                               "MLflow run name", "Resume"]
+        assert labels[10:] == ["Data", "Model", "GRPO training", "Sampling and balancing", "Async generation",
+                               "Environments and tools", "Evaluation", "MLflow tracking", "Experiment",
+                               "More settings (key=value)", "Whole config (advanced)",
+                               "Extra MLflow run tags"]  # sections collapsed
+        body = page.locator("body").inner_text()
+        assert 'Property is type "None"' not in body and page.get_by_role("button", name="None").count() == 0
+        form_height = page.locator("form").first.bounding_box()["height"]
+        assert form_height < 4000, form_height  # was about 14,500 px
+        page.screenshot(path=str(SCREENSHOTS / "prefect-run-form.png"))
 
-            assert open_select(page, form_property(page, "Preset")) == [
-                "qwen2.5-0.5b-gsm8k", "tiny", "tiny-calculator", "tiny-guess-digit"]
-            page.keyboard.press("Escape")
-            loss = form_property(page, "Loss type")
-            assert open_select(page, loss) == ["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
-            page.get_by_role("option", name="bnpo", exact=True).click()
-            expect(loss.locator(".p-select-button__value")).to_have_text("bnpo")
-            form_property(page, "Training steps").locator("input").fill("3")
-            form_property(page, "MLflow run name").locator("textarea").fill("from-the-ui")
-            page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-filled.png"))
+        assert open_select(page, form_property(page, "Preset")) == [
+            "qwen2.5-0.5b-gsm8k", "tiny", "tiny-calculator", "tiny-guess-digit"]
+        page.keyboard.press("Escape")
+        loss = form_property(page, "Loss type")
+        assert open_select(page, loss) == ["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
+        page.get_by_role("option", name="bnpo", exact=True).click()
+        expect(loss.locator(".p-select-button__value")).to_have_text("bnpo")
+        form_property(page, "Training steps").locator("input").fill("3")
+        form_property(page, "MLflow run name").locator("textarea").fill("from-the-ui")
+        page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-filled.png"))
 
-            for title in SECTION_TITLES:  # open every collapsed section; change one field of the Model section
-                open_section(page, title)
-            model = form_property(page, "Model")
-            steps = form_property(page, "Steps")
-            expect(steps).to_contain_text("model.warm_start.steps")  # its description renders after the label
-            steps.locator("input").fill("6")
-            assert form_property(page, "Learning Rate (Warm Start)").count() == 1
-            model.scroll_into_view_if_needed()
-            page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-section.png"))
-            created = submit(page, s, deployment_id, set())
-            flow_run_id = created["id"]
-            page.wait_for_url(re.compile(rf".*/deployments/deployment/{deployment_id}(\?.*)?$"), timeout=120_000)
-            park(page)
+        for title in SECTION_TITLES:  # open every collapsed section; change one field of the Model section
+            open_section(page, title)
+        model = form_property(page, "Model")
+        steps = form_property(page, "Steps")
+        expect(steps).to_contain_text("model.warm_start.steps")  # its description renders after the label
+        steps.locator("input").fill("6")
+        assert form_property(page, "Learning Rate (Warm Start)").count() == 1
+        model.scroll_into_view_if_needed()
+        page.screenshot(path=str(SCREENSHOTS / "prefect-run-form-section.png"))
+        created = submit(page, s, deployment_id, set())
+        flow_run_id = created["id"]
+        page.wait_for_url(re.compile(rf".*/deployments/deployment/{deployment_id}(\?.*)?$"), timeout=120_000)
+        park(page)
 
-            worker = s.run(str(BIN / "prefect"), "worker", "start", "--pool", "cpu-pool", "--run-once", "--name",
-                           "ui-worker", cwd=tmp_path, timeout=300)
-            flow_run = s.get(f"flow_runs/{flow_run_id}")
-            assert flow_run["state"]["type"] == "COMPLETED", (flow_run["state"], worker.stdout[-3000:],
-                                                              worker.stderr[-3000:])
-            page.goto(f"{ui}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
-            page.get_by_text("Completed").first.wait_for(timeout=120_000)
-            page.screenshot(path=str(SCREENSHOTS / "prefect-flow-run.png"))
+        worker = s.run(str(BIN / "prefect"), "worker", "start", "--pool", "cpu-pool", "--run-once", "--name",
+                       "ui-worker", cwd=tmp_path, timeout=300)
+        flow_run = s.get(f"flow_runs/{flow_run_id}")
+        assert flow_run["state"]["type"] == "COMPLETED", (flow_run["state"], worker.stdout[-3000:],
+                                                          worker.stderr[-3000:])
+        page.goto(f"{ui}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
+        page.get_by_text("Completed").first.wait_for(timeout=120_000)
+        page.screenshot(path=str(SCREENSHOTS / "prefect-flow-run.png"))
 
-            nightly = s.get("deployments/name/grpo-sweep/nightly")
+        nightly = s.get("deployments/name/grpo-sweep/nightly")
 
-            def schedule_active() -> bool:
-                [schedule] = s.get(f"deployments/{nightly['id']}")["schedules"]
-                return schedule["active"]
+        def schedule_active() -> bool:
+            [schedule] = s.get(f"deployments/{nightly['id']}")["schedules"]
+            return schedule["active"]
 
-            # The page's schedule updates and what the server answered them (the toggle's PATCH), for the message.
-            answers: list[tuple[str, int]] = []
-            page.on("response", lambda r: answers.append((r.request.post_data or "", r.status))
-                    if r.request.method == "PATCH" and "/schedules/" in r.url else None)
-            # The first update is refused with a 503, as the shared server's SQLite does when another writer holds it
-            # under the suite's load: the page must still get the schedule changed (forced, not left to load).
-            refusals = [1]
+        # The page's schedule updates and what the server answered them (the toggle's PATCH), for the message.
+        answers: list[tuple[str, int]] = []
+        page.on("response", lambda r: answers.append((r.request.post_data or "", r.status))
+                if r.request.method == "PATCH" and "/schedules/" in r.url else None)
+        # The first update is refused with a 503, as the shared server's SQLite does when another writer holds it
+        # under the suite's load: the page must still get the schedule changed (forced, not left to load).
+        refusals = [1]
 
-            def refuse_the_first_update(route) -> None:
-                if route.request.method == "PATCH" and refusals:
-                    refusals.pop()
-                    route.fulfill(status=503, content_type="application/json", body='{"detail": "database is locked"}')
-                else:
-                    route.continue_()
+        def refuse_the_first_update(route) -> None:
+            if route.request.method == "PATCH" and refusals:
+                refusals.pop()
+                route.fulfill(status=503, content_type="application/json", body='{"detail": "database is locked"}')
+            else:
+                route.continue_()
 
-            page.route(re.compile(r".*/schedules/.*"), refuse_the_first_update)
-            page.goto(f"{ui}/deployments/deployment/{nightly['id']}", wait_until="networkidle")
-            toggle = page.locator(".deployment-schedule-card__action").get_by_role("switch")
-            states = [schedule_active()]
-            for _ in range(2):  # pause the cron schedule, then resume it
-                want = not states[-1]
-                # click once the page shows the schedule's current state: a click before the card has loaded is lost
-                (expect(toggle).to_be_checked if states[-1] else expect(toggle).not_to_be_checked)(timeout=60_000)
-                sent, clicked = len(answers), time.monotonic()
-                toggle.click()
-                deadline = time.monotonic() + 600  # a bound on a hung server, not a speed requirement
-                while schedule_active() != want:
-                    assert time.monotonic() < deadline, f"the UI toggle did not change the schedule: {answers}"
-                    # A refused update (the shared server's SQLite busy under the suite's load) or a lost click: the
-                    # switch shows the old state again, so click again, as a person would.
-                    refused = answers[sent:] and answers[-1][1] >= 400
-                    lost = not answers[sent:] and time.monotonic() - clicked > 30
-                    if refused and toggle.is_checked() == want:
-                        # the switch stays where it was clicked though the server refused the update: a reload shows
-                        # the server's state again, then the next pass clicks
-                        page.reload(wait_until="networkidle")
-                        continue
-                    if (refused or lost) and toggle.is_checked() != want:
-                        sent, clicked = len(answers), time.monotonic()
-                        toggle.click()
-                    page.wait_for_timeout(300)  # the sync API delivers the page's events while it waits
-                states.append(schedule_active())
-            assert not refusals and any(code == 503 for _, code in answers), answers  # the refusal was met
-            page.screenshot(path=str(SCREENSHOTS / "prefect-schedule.png"))
-        finally:
-            browser.close()
+        page.route(re.compile(r".*/schedules/.*"), refuse_the_first_update)
+        page.goto(f"{ui}/deployments/deployment/{nightly['id']}", wait_until="networkidle")
+        toggle = page.locator(".deployment-schedule-card__action").get_by_role("switch")
+        states = [schedule_active()]
+        for _ in range(2):  # pause the cron schedule, then resume it
+            want = not states[-1]
+            # click once the page shows the schedule's current state: a click before the card has loaded is lost
+            (expect(toggle).to_be_checked if states[-1] else expect(toggle).not_to_be_checked)(timeout=60_000)
+            sent, clicked = len(answers), time.monotonic()
+            toggle.click()
+            deadline = time.monotonic() + 600  # a bound on a hung server, not a speed requirement
+            while schedule_active() != want:
+                assert time.monotonic() < deadline, f"the UI toggle did not change the schedule: {answers}"
+                # A refused update (the shared server's SQLite busy under the suite's load) or a lost click: the
+                # switch shows the old state again, so click again, as a person would.
+                refused = answers[sent:] and answers[-1][1] >= 400
+                lost = not answers[sent:] and time.monotonic() - clicked > 30
+                if refused and toggle.is_checked() == want:
+                    # the switch stays where it was clicked though the server refused the update: a reload shows
+                    # the server's state again, then the next pass clicks
+                    page.reload(wait_until="networkidle")
+                    continue
+                if (refused or lost) and toggle.is_checked() != want:
+                    sent, clicked = len(answers), time.monotonic()
+                    toggle.click()
+                page.wait_for_timeout(300)  # the sync API delivers the page's events while it waits
+            states.append(schedule_active())
+        assert not refusals and any(code == 503 for _, code in answers), answers  # the refusal was met
+        page.screenshot(path=str(SCREENSHOTS / "prefect-schedule.png"))
 
     assert states == [True, False, True]
     params = flow_run["parameters"]

@@ -16,7 +16,7 @@ from grpo.environments import register_environment
 from grpo.environments.base import Environment, StepResult, ToolCall
 from grpo.tracking.traces import DROPPED_METRIC, WRITTEN_METRIC
 from grpo.tracking.tracker import MlflowCallback, MlflowTracker
-from tests.browser import CHROMIUM, CHROMIUM_ARGS, SCREENSHOTS, require_chromium
+from tests.browser import SCREENSHOTS, chromium_page
 from tests.servers import MlflowServer
 from tests.trainers import environment_trainer
 
@@ -139,20 +139,12 @@ def test_sampled_episodes_are_traces_of_the_run(tmp_path, mlflow_server):
 def trace_span_durations(uri: str, experiment_id: str, trace_id: str) -> list[tuple[str, float]]:
     """(span name, duration in ms) of each row of a trace's span tree in MLflow's UI, opened in Chromium from the
     experiment's Traces tab, as a person opens it (screenshot: test-output/mlflow-trace.png)."""
-    from playwright.sync_api import sync_playwright
-
-    require_chromium()
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{uri}/#/experiments/{experiment_id}/traces?selectedEvaluationId={trace_id}",
-                      wait_until="load", timeout=60_000)
-            page.get_by_text("turn 1", exact=True).first.wait_for(timeout=60_000)
-            lines = [line.strip() for line in page.locator("body").inner_text().splitlines()]
-            page.screenshot(path=str(SCREENSHOTS / "mlflow-trace.png"))
-        finally:
-            browser.close()
+    with chromium_page() as page:
+        page.goto(f"{uri}/#/experiments/{experiment_id}/traces?selectedEvaluationId={trace_id}",
+                  wait_until="load", timeout=60_000)
+        page.get_by_text("turn 1", exact=True).first.wait_for(timeout=60_000)
+        lines = [line.strip() for line in page.locator("body").inner_text().splitlines()]
+        page.screenshot(path=str(SCREENSHOTS / "mlflow-trace.png"))
     # the tree: each span's name, then its duration ("0.18s", "1.00ms"), after the "Spans" heading
     tree = lines[lines.index("Spans") + 1:]
     out = []

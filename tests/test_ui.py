@@ -132,25 +132,19 @@ def _serve_waits_out_a_busy_server(ui: subprocess.Popen, prefect_port: int, tmp_
 def _deployments_list_its_own_server(ui: str) -> None:
     """The Prefect UI's Deployments page, in Chromium, lists what ``grpo serve`` registered with this server, and
     every API call the page makes goes to this server."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    from tests.browser import CHROMIUM, CHROMIUM_ARGS, SCREENSHOTS, require_chromium
+    from tests.browser import SCREENSHOTS, chromium_page
 
-    require_chromium()
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+    with chromium_page(1400, 900) as page:
+        calls: list[str] = []
+        page.on("request", lambda request: calls.append(request.url) if "/api/" in request.url else None)
+        page.goto(f"{ui}/deployments", wait_until="load", timeout=60_000)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
-            calls: list[str] = []
-            page.on("request", lambda request: calls.append(request.url) if "/api/" in request.url else None)
-            page.goto(f"{ui}/deployments", wait_until="load", timeout=60_000)
-            try:
-                expect(page.get_by_text("grpo-sweep").first).to_be_visible(timeout=120_000)
-            finally:
-                page.screenshot(path=str(SCREENSHOTS / "prefect-grpo-ui-other-ports.png"))
-            assert "Can't connect" not in page.locator("body").inner_text()
+            expect(page.get_by_text("grpo-sweep").first).to_be_visible(timeout=120_000)
         finally:
-            browser.close()
+            page.screenshot(path=str(SCREENSHOTS / "prefect-grpo-ui-other-ports.png"))
+        assert "Can't connect" not in page.locator("body").inner_text()
     assert calls and all(url.startswith(f"{ui}/api/") for url in calls), sorted(set(calls))
 
 
@@ -160,25 +154,18 @@ def _experiment_opens_on_its_runs(uri: str) -> None:
     import re
 
     from mlflow import MlflowClient
-    from playwright.sync_api import sync_playwright
 
-    from tests.browser import CHROMIUM, CHROMIUM_ARGS, SCREENSHOTS, require_chromium
+    from tests.browser import SCREENSHOTS, chromium_page
 
-    require_chromium()
     client = MlflowClient(uri)
     experiment_id = client.create_experiment("grpo-ui-view")
     client.set_terminated(client.create_run(experiment_id, run_name="ui-view-run").info.run_id)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_context().new_page()  # a fresh profile: no view chosen before
-            page.goto(f"{uri}/", wait_until="load", timeout=60_000)
-            page.get_by_role("link", name="grpo-ui-view").first.click(timeout=60_000)
-            page.wait_for_url(re.compile(rf".*/experiments/{experiment_id}/\w+.*"), timeout=60_000)
-            url = page.url
-            page.screenshot(path=str(SCREENSHOTS / "mlflow-grpo-ui-experiment.png"))
-        finally:
-            browser.close()
+    with chromium_page() as page:  # a fresh profile: no view chosen before
+        page.goto(f"{uri}/", wait_until="load", timeout=60_000)
+        page.get_by_role("link", name="grpo-ui-view").first.click(timeout=60_000)
+        page.wait_for_url(re.compile(rf".*/experiments/{experiment_id}/\w+.*"), timeout=60_000)
+        url = page.url
+        page.screenshot(path=str(SCREENSHOTS / "mlflow-grpo-ui-experiment.png"))
     assert f"/experiments/{experiment_id}/runs" in url and "/overview" not in url, url
 
 

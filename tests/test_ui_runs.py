@@ -147,21 +147,13 @@ def served(prefect_server, mlflow_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser_page(served):
-    from tests.browser import CHROMIUM, CHROMIUM_ARGS, require_chromium
+    from tests.browser import chromium_page
 
-    require_chromium()
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            errors: list[str] = []
-            page.on("pageerror", lambda err: errors.append(str(err)))
-            yield page
-            assert not errors, errors
-        finally:
-            browser.close()
+    with chromium_page() as page:
+        errors: list[str] = []
+        page.on("pageerror", lambda err: errors.append(str(err)))
+        yield page
+        assert not errors, errors
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.browser import CHROMIUM, CHROMIUM_ARGS, SCREENSHOTS, require_chromium
+from tests.browser import SCREENSHOTS, chromium_page
 from tests.servers import BIN, interrupt
 
 pytestmark = pytest.mark.integration
@@ -105,25 +105,19 @@ def test_a_schedule_due_next_minute_starts_a_sweep_that_completes(prefect_server
 
 def _look_at_the_sweep_form(s, deployment_id: str) -> None:
     """Titled fields in a person's words, complete help (placeholders survive the markdown), no None toggles."""
-    require_chromium()
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     ui = s.url.removesuffix("/api")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{ui}/deployments/deployment/{deployment_id}/run", wait_until="networkidle")
-            expect(page.locator(".schema-form-property__label")).to_have_count(13, timeout=120_000)
-            labels = [t.removesuffix(" (Optional)") for t in
-                      page.locator(".schema-form-property__label").all_inner_texts()]
-            assert labels == ["Search space", "Preset", "Training steps per trial", "Trials at once",
-                              "Metric to optimise", "Direction", "Sweep name", "Optuna study", "Optuna storage",
-                              "Registered model name", "Run trials on a deployment", "Trial timeout (seconds)",
-                              "Whole config (advanced)"]
-            body = page.locator("body").inner_text()
-            assert 'Property is type "None"' not in body and page.get_by_role("button", name="None").count() == 0
-            assert "sqlite:///<output_dir>/optuna.db" in body and "<config name>-sweep-<time>" in body
-            page.screenshot(path=str(SCREENSHOTS / "prefect-sweep-form.png"), full_page=True)
-        finally:
-            browser.close()
+    with chromium_page() as page:
+        page.goto(f"{ui}/deployments/deployment/{deployment_id}/run", wait_until="networkidle")
+        expect(page.locator(".schema-form-property__label")).to_have_count(13, timeout=120_000)
+        labels = [t.removesuffix(" (Optional)") for t in
+                  page.locator(".schema-form-property__label").all_inner_texts()]
+        assert labels == ["Search space", "Preset", "Training steps per trial", "Trials at once",
+                          "Metric to optimise", "Direction", "Sweep name", "Optuna study", "Optuna storage",
+                          "Registered model name", "Run trials on a deployment", "Trial timeout (seconds)",
+                          "Whole config (advanced)"]
+        body = page.locator("body").inner_text()
+        assert 'Property is type "None"' not in body and page.get_by_role("button", name="None").count() == 0
+        assert "sqlite:///<output_dir>/optuna.db" in body and "<config name>-sweep-<time>" in body
+        page.screenshot(path=str(SCREENSHOTS / "prefect-sweep-form.png"), full_page=True)
