@@ -35,7 +35,9 @@ REPO = Path(__file__).resolve().parent.parent
 # modules. Only these: handing out every long module first ran all the server and browser modules at once and made
 # the suite longer; handing out the signals module with them (it ends the suite alone for its last 30-60 s) put three
 # modules' flow runs on the shared server at once, and an in-process sweep's flow run met its 503s for 2.5 minutes.
-HANDED_OUT_FIRST = ("tests/test_ui_runs.py", "tests/test_ui_schedule.py")
+# The team workers' module (~10 minutes on one worker, its own servers, most of it waiting for a dead worker's run to
+# be marked Crashed or for its held runs) goes first of all.
+HANDED_OUT_FIRST = ("tests/test_team_workers.py", "tests/test_ui_runs.py", "tests/test_ui_schedule.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: a run with `-p no:xdist` does not know it

@@ -8,7 +8,8 @@ What runs, all from one folder (the team home: ``--home``, ``$GRPO_TEAM_HOME``, 
 * the MLflow tracking server on its own database, behind MLflow's basic-auth (users ``admin`` and ``worker``, the
   auth store a third database), artifacts served through it (``--artifacts-destination``), with the platform's
   MLflow app settings (``--app-name grpo-auth``, grpo/app/mlflow_app.py);
-* the work pools of ``infra/work-pools`` and, on the first ``up``, the deployments of ``infra/prefect.yaml``.
+* the work pools of ``infra/work-pools`` and, on the first ``up``, the deployments of ``infra/prefect.yaml``;
+* the automation that ends a dead worker's flow runs Crashed (:func:`zombie_automation`).
 
 The passwords are generated at the first ``up`` into ``secrets.json`` (0600) and reach the servers through their
 environment and a 0600 auth config, never a command line (``ps`` shows command lines to every user). Clients and
@@ -276,7 +277,7 @@ def _stop_group(entry: dict) -> None:
             time.sleep(0.2)
 
 
-def _request(method: str, url: str, credentials: str, body: dict | None = None) -> tuple[int, dict]:
+def _request(method: str, url: str, credentials: str, body: dict | None = None) -> tuple[int, dict | list]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={**basic_auth(credentials), "Content-Type": "application/json"})
@@ -316,6 +317,40 @@ def ensure_pools(prefect_api: str, credentials: str, project: Path) -> bool:
         if status not in (200, 201, 204):
             raise TeamError(f"Prefect: creating the work pool {name!r} failed (HTTP {status})")
     return created
+
+
+# A flow run whose heartbeats stop (its worker's machine died, the worker was SIGKILLed with its runs) ends Crashed:
+# Prefect's server has no such check of its own, an automation does it (Prefect's "detect zombie flows" recipe). The
+# work pools' templates set PREFECT_FLOWS_HEARTBEAT_FREQUENCY (30 s, Prefect's minimum) for every run a worker starts;
+# three missed beats make a zombie.
+ZOMBIE_AUTOMATION = "grpo: crash flow runs whose heartbeats stopped"
+ZOMBIE_AFTER_SECONDS = 90
+FINAL_EVENTS = ("Completed", "Failed", "Cancelled", "Crashed")
+
+
+def zombie_automation() -> dict:
+    """The automation that marks a flow run Crashed when no heartbeat (nor final state) follows its last heartbeat
+    within :data:`ZOMBIE_AFTER_SECONDS`."""
+    beat = "prefect.flow-run.heartbeat"
+    return {"name": ZOMBIE_AUTOMATION, "enabled": True,
+            "description": f"A flow run of a worker that died: no heartbeat for {ZOMBIE_AFTER_SECONDS} s",
+            "trigger": {"type": "event", "posture": "Proactive", "after": [beat],
+                        "expect": [beat, *(f"prefect.flow-run.{state}" for state in FINAL_EVENTS)],
+                        "match": {"prefect.resource.id": ["prefect.flow-run.*"]},
+                        "for_each": ["prefect.resource.id"], "threshold": 1, "within": ZOMBIE_AFTER_SECONDS},
+            "actions": [{"type": "change-flow-run-state", "state": "CRASHED",
+                         "message": f"no heartbeat for {ZOMBIE_AFTER_SECONDS} s: its worker or machine is gone"}]}
+
+
+def ensure_zombie_automation(prefect_api: str, credentials: str) -> None:
+    """Create :func:`zombie_automation` unless an automation of its name exists (a change in the UI is kept)."""
+    status, found = _request("POST", f"{prefect_api}/automations/filter", credentials,
+                             {"automations": {"name": {"any_": [ZOMBIE_AUTOMATION]}}})
+    if status == 200 and found:
+        return
+    status, _ = _request("POST", f"{prefect_api}/automations/", credentials, zombie_automation())
+    if status not in (200, 201):
+        raise TeamError(f"Prefect: creating the automation {ZOMBIE_AUTOMATION!r} failed (HTTP {status})")
 
 
 # ---------------------------------------------------------------- up / status / down
@@ -383,21 +418,16 @@ def up(team: Team, project: Path, host: str = "127.0.0.1", ports: Ports = Ports(
         echo(f"PostgreSQL: a new cluster in {team.pg_data}")
         init_postgres(team, bin_dir, account, secret)
     start_postgres(team, bin_dir, account, ports.postgres)
-    state: dict = {"host": host, "ports": vars(ports), "urls": urls, "servers": {}}
+    state: dict = {"host": host, "ports": vars(ports), "urls": urls, "servers": {},
+                   "artifacts_destination": artifacts_destination}
     try:
         if fresh:
             create_databases(bin_dir, ports.postgres, secret)
-        popen = _start_servers(team, host, ports, artifacts_destination, secret, state)
-        for name, path in (("prefect", "/api/health"), ("mlflow", "/health")):
-            local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-            try:
-                wait_healthy(f"http://{local}:{getattr(ports, name)}{path}", popen[name], HEALTH_TIMEOUT)
-            except RuntimeError as err:
-                log = Path(state["servers"][name]["log"])
-                raise TeamError(f"{err}; its log {log} ends: {_tail(log)}") from None
+        _wait_servers(state, _start_servers(team, host, ports, artifacts_destination, secret, state))
         ensure_worker_user(urls["mlflow"], secret)
         prefect_auth = f"grpo:{secret['prefect_api']}"
         new_pools = ensure_pools(f"{urls['prefect']}/api", prefect_auth, project)
+        ensure_zombie_automation(f"{urls['prefect']}/api", prefect_auth)
         write_private(team.team_env, _env_file(client_env(urls, secret, MLFLOW_WORKER)))
         write_private(team.admin_env, _env_file(client_env(urls, secret, MLFLOW_ADMIN)))
         if new_pools:
@@ -408,9 +438,36 @@ def up(team: Team, project: Path, host: str = "127.0.0.1", ports: Ports = Ports(
     return Started(urls, list(POOLS), new_pools)
 
 
+def _wait_servers(state: dict, popen: dict[str, subprocess.Popen]) -> None:
+    """Until the servers just started answer their health checks; :class:`TeamError` with the end of the log of one
+    that exits or does not answer within :data:`HEALTH_TIMEOUT`."""
+    host = "127.0.0.1" if state["host"] in ("0.0.0.0", "::") else state["host"]
+    for name, proc in popen.items():
+        path = {"prefect": "/api/health", "mlflow": "/health"}[name]
+        try:
+            wait_healthy(f"http://{host}:{state['ports'][name]}{path}", proc, HEALTH_TIMEOUT)
+        except RuntimeError as err:
+            log = Path(state["servers"][name]["log"])
+            raise TeamError(f"{err}; its log {log} ends: {_tail(log)}") from None
+
+
+def restart_server(team: Team, name: str) -> None:
+    """Stop the running setup's server ``name`` (``prefect`` or ``mlflow``) and start it again as ``up`` did, on the
+    same address and data, until it answers: what a server's upgrade or a changed setting takes while workers, runs
+    and the other server go on."""
+    state = read_state(team)
+    if state is None or _process(**{k: state["servers"][name][k] for k in ("pid", "created")}) is None:
+        raise TeamError(f"the {name} server of the team setup in {team.home} does not run (grpo team up)")
+    _stop_group(state["servers"][name])
+    popen = _start_servers(team, state["host"], Ports(**state["ports"]), state.get("artifacts_destination"),
+                           load_secrets(team), state, only=(name,))
+    _wait_servers(state, popen)
+
+
 def _start_servers(team: Team, host: str, ports: Ports, artifacts_destination: str | None, secret: dict[str, str],
-                   state: dict) -> dict[str, subprocess.Popen]:
-    """The Prefect and MLflow servers, detached; ``state.json`` names them as soon as they exist."""
+                   state: dict, only: tuple[str, ...] = ("prefect", "mlflow")) -> dict[str, subprocess.Popen]:
+    """The Prefect and MLflow servers (those in ``only``), detached; ``state.json`` names them as soon as they
+    exist."""
     bin_dir = Path(sys.executable).parent
     pg = f"127.0.0.1:{ports.postgres}"
     base = {k: v for k, v in os.environ.items()
@@ -441,6 +498,8 @@ def _start_servers(team: Team, host: str, ports: Ports, artifacts_destination: s
     }
     popen = {}
     for name, (cmd, env) in commands.items():
+        if name not in only:
+            continue
         entry = _detached(cmd, env, team.logs / f"{name}-server.log", team.home)
         popen[name] = entry.pop("_popen")
         state["servers"][name] = entry
