@@ -45,6 +45,7 @@ CREATING = {torch.tensor, torch.as_tensor}
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _HERE = __file__
+_REPO = Path(__file__).resolve().parent.parent
 
 
 def _has_device_target(args: tuple, kwargs: dict) -> bool:
@@ -97,19 +98,24 @@ def _to_host(func: Any, args: tuple, kwargs: dict) -> bool | None:
     return None
 
 
+def _short(path: Path) -> str:
+    """A source file as a person names it: relative to this checkout (``grpo/training/trainer.py``) or to its
+    installed package's folder (``trl/trainer/grpo_trainer.py``)."""
+    if path.is_relative_to(_REPO):
+        return path.relative_to(_REPO).as_posix()
+    parts = path.parts
+    if "site-packages" in parts:
+        return "/".join(parts[len(parts) - parts[::-1].index("site-packages"):])
+    return "/".join(parts[-3:])
+
+
 def _origin() -> str:
     """``package/path.py:line`` of the innermost frame outside torch and this file."""
     frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
         if not path.startswith(_TORCH_DIR) and path != _HERE:
-            p = Path(path)
-            parts = p.parts
-            for anchor in ("site-packages", "main", "work"):
-                if anchor in parts:
-                    parts = parts[len(parts) - parts[::-1].index(anchor):]
-                    break
-            return f"{'/'.join(parts[-4:]) if len(parts) > 4 else '/'.join(parts)}:{frame.f_lineno}"
+            return f"{_short(Path(path))}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
 
@@ -148,10 +154,12 @@ class SyncCounter(TorchFunctionMode):
         return sum(self.by_kind.values())
 
     def report(self, steps: int, top: int = 10) -> dict:
-        """Per optimizer step: the total, by kind, and the ``top`` origins (``file:line``)."""
+        """Per optimizer step: the total, those made in ``grpo/``, by kind, and the ``top`` origins (``file:line``)."""
         per = max(1, steps)
+        ours = sum(n for origin, n in self.by_origin.items() if origin.startswith("grpo/"))
         return {
             "syncs_per_step": round(self.total / per, 2),
+            "syncs_from_grpo_per_step": round(ours / per, 2),  # made in this platform's own code
             "syncs_by_kind_per_step": {k: round(v / per, 2) for k, v in self.by_kind.most_common()},
             "syncs_top_origins_per_step": {k: round(v / per, 2) for k, v in self.by_origin.most_common(top)},
         }

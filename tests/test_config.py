@@ -60,7 +60,8 @@ def test_presets_are_package_data_not_files_of_the_source_tree(tmp_path, monkeyp
             text = source.read_text()
             assert "parent.parent" not in text and "parents[1]" not in text and '"configs"' not in text, source
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert pyproject["tool"]["setuptools"]["package-data"]["grpo"] == ["presets/*.yaml", "presets/spaces/*.yaml"]
+    assert pyproject["tool"]["setuptools"]["package-data"]["grpo"] == ["presets/*.yaml", "presets/spaces/*.yaml",
+                                                                      "presets/policies/*/*"]  # the shipped policies
     # a file of that name wins over the preset; an unknown name lists the presets
     (tmp_path / "tiny").write_text("name: mine\n")
     assert load_config("tiny").name == "mine"

@@ -165,7 +165,9 @@ def test_conversational_gsm8k_file_with_a_custom_chat_template_end_to_end(own, t
     assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
     mlflow.set_tracking_uri(store)
     try:
-        loaded = mlflow.transformers.load_model(f"runs:/{summary['mlflow_run_id']}/model", return_type="components")
+        # the logged model is named after the run
+        loaded = mlflow.transformers.load_model(f"runs:/{summary['mlflow_run_id']}/gsm8k-chat",
+                                                return_type="components")
     finally:
         mlflow.set_tracking_uri(None)
     tokenizer, model = loaded["tokenizer"], loaded["model"]

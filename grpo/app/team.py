@@ -140,8 +140,8 @@ def _env_file(values: dict[str, str]) -> str:
 
 def pg_bin() -> Path:
     """The folder of PostgreSQL's server programs: Debian's newest ``/usr/lib/postgresql/N/bin``, else ``PATH``."""
-    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"), key=lambda p: int(p.parent.parent.name)
-                   if p.parent.parent.name.isdigit() else 0)
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"),
+                   key=lambda p: int(p.parts[-3]) if p.parts[-3].isdigit() else 0)  # /usr/lib/postgresql/N/bin/pg_ctl
     if found:
         return found[-1].parent
     on_path = shutil.which("pg_ctl")

@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import tempfile
+from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -26,7 +27,8 @@ from grpo.pipeline.prep import load_prepared
 from grpo.pipeline.stages import cached_prep
 from grpo.training.policy import build_tiny_policy, shipped_policies, tiny_policy_entry
 
-SHIPPED = Path(__file__).resolve().parent.parent / "presets" / "policies"  # the source tree's, to write into
+# The package's folder, written into: a maintainer runs this from a checkout (an editable install's package is it).
+SHIPPED = Path(str(resources.files("grpo").joinpath("presets", "policies")))
 
 
 def tiny_presets() -> list[ExperimentConfig]:

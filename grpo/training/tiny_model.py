@@ -35,16 +35,27 @@ def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
 _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
+def _is_char_tokenizer(folder: Path) -> bool:
+    """Whether ``folder`` holds a tokenizer build_char_tokenizer made: a generic fast tokenizer over a word-level
+    model (one token per character)."""
+    config, spec = folder / "tokenizer_config.json", folder / "tokenizer.json"
+    if not (config.is_file() and spec.is_file()):
+        return False
+    if json.loads(config.read_text()).get("tokenizer_class") not in _GENERIC_TOKENIZER_CLASSES:
+        return False
+    return json.loads(spec.read_text()).get("model", {}).get("type") == "WordLevel"
+
+
 def load_tokenizer_from(name_or_path: str | Path) -> PreTrainedTokenizerBase:
-    """``AutoTokenizer.from_pretrained``, except for a saved tiny tokenizer (a folder whose ``tokenizer_config.json``
-    names a generic fast tokenizer), loaded as exactly what was saved, padding on the left as built.
+    """``AutoTokenizer.from_pretrained``, except for a saved tiny tokenizer (:func:`_is_char_tokenizer`), loaded as
+    exactly what was saved, padding on the left as built. A byte-level BPE tokenizer saved the same generic way (the
+    tests' own chat models) still gets the class its model's config names, as before.
 
     transformers 5's ``AutoTokenizer`` picks the class from the model's ``config.json`` (``qwen2``) and rebuilds
     Qwen2's byte-level pipeline over the saved vocabulary: that tokenizer drops spaces (``error: off|`` became
     ``error:off|``) and counts one token more than the vocabulary, so every cached or trained tiny policy tokenised
     text with spaces (environment observations, tool results) unlike the one the warm start trained."""
-    config = Path(name_or_path) / "tokenizer_config.json"
-    if config.is_file() and json.loads(config.read_text()).get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES:
+    if _is_char_tokenizer(Path(name_or_path)):
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(name_or_path))
         tokenizer.padding_side = "left"
         return tokenizer
