@@ -43,9 +43,8 @@ class PrefectProgress(TrainerCallback):
 
     def __init__(self, eval_before: dict | None = None, parent_flow_run_id: str | None = None,
                  min_interval_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.artifact_ids: list = []
+        self.artifacts = RunProgress("training-progress", parent_flow_run_id)
         self.before = eval_before
-        self.parent = parent_flow_run_id
         self.logged: dict = {}
         self.min_interval_s = min_interval_s
         self.clock = clock
@@ -65,32 +64,26 @@ class PrefectProgress(TrainerCallback):
             parts.append(eta)
         return " · ".join(parts)
 
+    @property
+    def artifact_ids(self) -> list:
+        return self.artifacts.artifact_ids
+
     @staticmethod
     def _progress(state) -> float:
         return 100.0 * state.global_step / state.max_steps if state.max_steps else 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.pace = Pace(state.global_step, self.clock)
-        if state.is_world_process_zero:
-            description = self.describe(state.global_step, state.max_steps)
-            self.artifact_ids = [create_progress_artifact(progress=self._progress(state), key="training-progress",
-                                                          description=description)]
-            if self.parent:
-                self.artifact_ids.append(ProgressArtifact(
-                    progress=self._progress(state), key="run-training-progress", description=description,
-                    flow_run_id=self.parent).create().id)
+        if state.is_world_process_zero:  # the other ranks keep none: their updates below do nothing
+            self.artifacts(self._progress(state), self.describe(state.global_step, state.max_steps))
 
     def _update(self, state, always: bool = True) -> None:
         now = self.clock()
-        if not state.max_steps or (not always and now - self._last_update < self.min_interval_s):
+        if not self.artifact_ids or not state.max_steps or (not always
+                                                            and now - self._last_update < self.min_interval_s):
             return
         self._last_update = now
-        for artifact_id in self.artifact_ids:
-            try:
-                update_progress_artifact(artifact_id, progress=self._progress(state),
-                                         description=self.describe(state.global_step, state.max_steps))
-            except Exception as err:  # the server down or its database restarting: the next update catches up
-                _skipped(err)
+        self.artifacts(self._progress(state), self.describe(state.global_step, state.max_steps))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs:
@@ -108,7 +101,8 @@ class RunProgress:
     """A progress artifact on this flow run (``key``) and the same on the pipeline's run (``run-<key>``, given its
     ``parent_flow_run_id``: where a person looks first), created at the first call and updated at each one after: the
     ``policy`` stage's warm start reports through it (:class:`grpo.training.warm_start.WarmStartProgress`, a line at
-    each tenth of its steps)."""
+    each tenth of its steps), and :class:`PrefectProgress` keeps training's. An update the server does not take is a
+    warning (the server down or its database restarting: the next update catches up), never a failed stage."""
 
     def __init__(self, key: str, parent_flow_run_id: str | None = None) -> None:
         self.key, self.parent = key, parent_flow_run_id
@@ -119,7 +113,7 @@ class RunProgress:
             for artifact_id in self.artifact_ids:
                 try:
                     update_progress_artifact(artifact_id, progress=progress, description=description)
-                except Exception as err:  # as PrefectProgress: a page left behind, never a failed stage
+                except Exception as err:  # see the class docstring
                     _skipped(err)
             return
         self.artifact_ids = [create_progress_artifact(progress=progress, key=self.key, description=description)]
