@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from tests.servers import free_port
+from tests.servers import free_port, interrupt
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,7 @@ def healthy(url: str) -> bool:
 
 
 def test_grpo_ui_serves_both_grpo_serve_waits_out_its_busy_prefect_server_and_ctrl_c_stops_them(tmp_path):
-    """The README's steps: ``grpo ui``, then ``grpo serve`` against its Prefect server. The serve meets the server
+    """The docs' steps: ``grpo ui``, then ``grpo serve`` against its Prefect server. The serve meets the server
     busy (forced: its process group stopped, so the kernel accepts the connection and nothing answers, as an event
     loop held by SQLite on a loaded machine does); it says so and registers its deployments once the server answers.
     Before, its 5-second health check failed the serve ("no Prefect server ... (timed out)", exit 2): clean-clone CI
@@ -36,7 +36,10 @@ def test_grpo_ui_serves_both_grpo_serve_waits_out_its_busy_prefect_server_and_ct
     names the exports terminal 2 needs with the ports chosen, and the Prefect UI calls its own server's API. Before,
     its /ui-settings named that other server (or port 4200 when none was exported), so the browser said "Can't
     connect to Server API" with an empty Deployments list, or listed another server's deployments. MLflow's server
-    printed a StarletteDeprecationWarning twice (#44.6)."""
+    printed a StarletteDeprecationWarning twice (#44.6).
+
+    Stopping ``grpo ui`` first leaves the serve without its server: it stops by itself with one line (exit 1).
+    Before, it printed Prefect's connection tracebacks and did not exit on Ctrl-C for minutes."""
     prefect_port, mlflow_port = free_port(), free_port()
     elsewhere = f"http://127.0.0.1:{free_port()}/api"  # exported for another server, none listening
     proc = subprocess.Popen([sys.executable, "-m", "grpo.app.cli", "ui", "--prefect-port", str(prefect_port),
@@ -69,17 +72,33 @@ def test_grpo_ui_serves_both_grpo_serve_waits_out_its_busy_prefect_server_and_ct
         assert healthy(f"http://127.0.0.1:{mlflow_port}/health")
         assert (tmp_path / "mlflow.db").is_file()  # the project folder's local store
         _experiment_opens_on_its_runs(f"http://127.0.0.1:{mlflow_port}")
-        _serve_waits_out_a_busy_server(proc, prefect_port, tmp_path)
-        _deployments_list_its_own_server(ui)
+        serve, serve_log = _serve_waits_out_a_busy_server(proc, prefect_port, tmp_path)
+        try:
+            _deployments_list_its_own_server(ui)
+        except BaseException:
+            interrupt(serve, timeout=120)
+            raise
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
+    # The serve outlives its server (the person stopped `grpo ui` first): it stops by itself in one line. Before, it
+    # printed Prefect's connection tracebacks and a Ctrl-C then took minutes (every shutdown call retried).
+    try:
+        serve.wait(timeout=300)  # a hung serve's bound
+    except subprocess.TimeoutExpired:
+        interrupt(serve, timeout=120)
+        raise AssertionError(f"grpo serve did not stop after its server: {serve_log.read_text()[-3000:]}") from None
+    said = serve_log.read_text()
+    assert serve.returncode == 1 and "Traceback" not in said, said[-3000:]
+    assert said.splitlines()[-1].startswith(f"the Prefect server at http://127.0.0.1:{prefect_port}/api stopped "
+                                            "(it refuses connections): serving stops"), said[-3000:]
     time.sleep(1)
     assert not healthy(f"http://127.0.0.1:{prefect_port}/api/health")
     assert not healthy(f"http://127.0.0.1:{mlflow_port}/health")
 
 
-def _serve_waits_out_a_busy_server(ui: subprocess.Popen, prefect_port: int, tmp_path) -> None:
+def _serve_waits_out_a_busy_server(ui: subprocess.Popen, prefect_port: int, tmp_path):
+    """Returns the serve, still serving, and its log."""
     from pathlib import Path
 
     import psutil
@@ -122,11 +141,12 @@ def _serve_waits_out_a_busy_server(ui: subprocess.Popen, prefect_port: int, tmp_
             [note] = [line for line in log.read_text().splitlines() if "is busy" in line]
             assert note.startswith(f"note: the Prefect server at http://127.0.0.1:{prefect_port}/api is busy"), note
             assert "error:" not in log.read_text() and "Traceback" not in log.read_text(), log.read_text()[-3000:]
-        finally:
+        except BaseException:
             interrupt(serve, timeout=120)
+            raise
     finally:
         os.killpg(prefect.pid, signal.SIGCONT)
-    assert serve.returncode == 0, log.read_text()[-3000:]
+    return serve, log
 
 
 def _deployments_list_its_own_server(ui: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -264,27 +265,136 @@ def serve(deployments: list, limit: int | None = 1, echo=print) -> None:
     from prefect.exceptions import TerminationSignal
 
     keep_json_kinds(deployments)
+    quiet_server_gone_noise()
     for d in deployments:
         when = f", schedule {d.schedules[0].schedule.cron}" if d.schedules else ""
         echo(f"serving {d.flow_name}/{d.name}{when}")
     on_sigterm = signal.getsignal(signal.SIGTERM)
+    url = api_url()
     try:
-        runner = _runner(limit)
+        runner = _runner(limit, url, echo)
         for d in deployments:
             runner.add_deployment(d)  # registers it with the server
-        asyncio.run(runner.start())  # installs the runner's SIGTERM handler
-    except (KeyboardInterrupt, TerminationSignal):
+        asyncio.run(_serve_until_interrupted(runner, url, echo))  # installs the runner's SIGTERM handler
+    except (KeyboardInterrupt, TerminationSignal, asyncio.CancelledError):
         pass
     finally:
         signal.signal(signal.SIGTERM, on_sigterm)  # the runner's handler needs its loop, which has ended
         pause_served(deployments)
 
 
-def _runner(limit: int | None):
+class _ServerGoneNoise(logging.Filter):
+    """While its server is down, Prefect's runner logs the cancellation observer's connection failures with their
+    ~40-line tracebacks (one line says it), and asyncio then logs a Prefect bug (the observer's done-callback calls
+    anyio outside an event loop: ``NoEventLoopError``) with another. Kept: the observer's one-line messages."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "asyncio":
+            return "FlowRunCancellingObserver" not in str(record.msg % record.args if record.args else record.msg)
+        record.exc_info = record.exc_text = None
+        return True
+
+
+def quiet_server_gone_noise() -> None:
+    """Install :class:`_ServerGoneNoise` (idempotent)."""
+    for name in ("prefect.FlowRunCancellingObserver", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ServerGoneNoise) for f in logger.filters):
+            logger.addFilter(_ServerGoneNoise())
+
+
+SERVER_CHECK_SECONDS = 2.0
+SERVER_CHECKS_REFUSED = 3
+"""``grpo serve`` stops once its Prefect server has refused connections this many checks in a row (a server that is
+merely busy still accepts them: the kernel completes the connect): Prefect's runner would otherwise print its
+services' connection tracebacks, give up cancelling runs, and retry every call for about a minute."""
+
+
+def server_listens(url: str, timeout: float = 2.0) -> bool:
+    """Whether anything accepts a TCP connection at the API URL's host and port (no request: a stopped server
+    refuses at once, where Prefect's client, having connected once, retries a refused connection with exponential
+    back-off for about a minute per request)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _stop_now(why: str, code: int, echo) -> None:
+    """End ``grpo serve`` at once: its flow runs (subprocesses) are interrupted as Ctrl-C interrupts them (they
+    checkpoint), and the process exits without the runner's shutdown, whose calls to a gone server would each be
+    retried for about a minute (Ctrl-C on a ``grpo serve`` whose server had stopped took minutes, twice pressed)."""
+    import os
+    import signal
+
+    import psutil
+
+    echo(why)
+    for child in psutil.Process().children():
+        try:
+            child.send_signal(signal.SIGINT)
+        except psutil.Error:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+async def _serve_until_interrupted(runner, url: str, echo) -> None:
+    """``runner.start()`` with Ctrl-C handled as asyncio.run handles it (the first cancels the runner, which pauses
+    the schedules and stops its runs), except that a Ctrl-C while the Prefect server does not listen, or a second
+    Ctrl-C, stops serving at once (:func:`_stop_now`)."""
+    import asyncio
+    import signal
+
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    presses = 0
+
+    def on_sigint() -> None:
+        nonlocal presses
+        presses += 1
+        if presses > 1:
+            _stop_now("second Ctrl-C: serving stops now; if the schedules still run, pause them in the Prefect UI",
+                      130, echo)
+        if not server_listens(url):
+            _stop_now(f"the Prefect server at {url} is gone: serving stops now, its schedules not paused (pause "
+                      "them in the Prefect UI once it is back)", 130, echo)
+        echo("stopping: pausing the schedules and stopping the runs in progress (Ctrl-C again stops at once)")
+        main.cancel()
+
+    async def watch_server() -> None:
+        refused = 0
+        while True:
+            await asyncio.sleep(SERVER_CHECK_SECONDS)
+            listens = await asyncio.to_thread(server_listens, url)
+            refused = 0 if listens else refused + 1
+            if refused >= SERVER_CHECKS_REFUSED:
+                _stop_now(f"the Prefect server at {url} stopped (it refuses connections): serving stops; start it "
+                          "again, then `grpo serve` (pause the schedules in the Prefect UI if they should not run)",
+                          1, echo)
+
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    watcher = asyncio.create_task(watch_server())
+    try:
+        await runner.start()
+    finally:
+        watcher.cancel()
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+def _runner(limit: int | None, url: str | None = None, echo=print):
     """Prefect's ``Runner`` (paused schedules on shutdown, at most ``limit`` runs at once) whose SIGTERM handler stops
     it. Prefect's handler calls ``self.stop()`` from inside the running event loop, where ``async_dispatch`` hands
     back the ``astop()`` coroutine instead of running it: "coroutine 'Runner.astop' was never awaited" on the
-    console, and the runner's stop (cancelling the flow runs in progress) skipped before its ``sys.exit(0)``."""
+    console, and the runner's stop (cancelling the flow runs in progress) skipped before its ``sys.exit(0)``. A
+    SIGTERM while the Prefect server does not listen stops serving at once (:func:`_stop_now`)."""
     import asyncio
     import signal
 
@@ -295,6 +405,9 @@ def _runner(limit: int | None):
         def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
             if not self.started:  # still starting, or a second SIGTERM while stopping: unwind now, as Ctrl-C does
                 raise TerminationSignal(signal.SIGTERM)
+            if url is not None and not server_listens(url):
+                _stop_now(f"the Prefect server at {url} is gone: serving stops now, its schedules not paused",
+                          143, echo)
             self._logger.info("SIGTERM received, initiating graceful shutdown...")
             # threadsafe: it also wakes the loop, which a plain create_task from a signal handler leaves asleep in
             # its selector until something else wakes it (as asyncio.run's own SIGINT handler knows)
@@ -309,6 +422,10 @@ def pause_served(deployments: list) -> None:
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
+    if not server_listens(api_url()):  # each call to a gone server is retried for about a minute
+        print(f"warning: the Prefect server at {api_url()} is gone: the served schedules are not paused; "
+              "pause them in the Prefect UI once it is back", file=sys.stderr)
+        return
     try:
         with get_client(sync_client=True) as client:
             for d in deployments:
