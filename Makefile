@@ -12,7 +12,7 @@ COMPILE = $(BIN)/uv pip compile pyproject.toml --quiet --custom-compile-command 
 LOCK_CPU = $(COMPILE) --extra test --universal -o constraints.txt
 LOCK_GPU = $(COMPILE) --extra gpu --python-version 3.12 --python-platform x86_64-manylinux_2_28 -o constraints-gpu.txt
 
-.PHONY: demo test test-fast install lock upgrade-lock clean-cache ui
+.PHONY: demo test test-fast install lock upgrade-lock clean-cache ui docs docs-serve
 
 $(STAMP): pyproject.toml constraints.txt infra/install.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) infra/install.sh
@@ -58,3 +58,11 @@ clean-cache:
 
 ui: $(STAMP)
 	$(BIN)/grpo ui
+
+# The docs site (mkdocs.yml, docs/): built strictly into site/ (a broken link or reference fails), or served with
+# live reload on http://127.0.0.1:8000. tests/test_docs.py builds it too and runs its examples.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve

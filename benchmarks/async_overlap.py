@@ -37,7 +37,7 @@ from benchmarks._sizes import TINY_SMOKE_OVERRIDES, size
 
 EXTRA = [s for s in os.environ.get("BENCH_SET", "").split(";") if s]
 # One-version-stale rollouts need the importance-sampling correction: without it this task learned ~8 points less in
-# 150 steps (0.672 -> 0.860 vs 0.962 with it; sync 0.948); see the README's async section.
+# 150 steps (0.672 -> 0.860 vs 0.962 with it; sync 0.948); see docs/benchmarks.md.
 ASYNC = ["async.use_data_producer=true", "async.async_prefetch=true", "async.prefetch_depth=1", "async.max_staleness=1",
          "async.vllm_importance_sampling_correction=true"]
 TASKS = {

@@ -1,4 +1,4 @@
-"""GRPO experiment platform: the library (see README, "Where things live")."""
+"""GRPO experiment platform: the library (see docs/design.md, "Where things live")."""
 
 import os
 

@@ -198,7 +198,7 @@ def test_the_evaluation_stage_reports_the_environment_figures_before_and_after(p
 def test_a_short_calculator_run_trains_on_episodes_and_reports_the_environment_before_and_after(tmp_path, monkeypatch):
     """The tiny-calculator preset, shortened (tiny model, a few GRPO steps): the recipe trains on episodes (the
     episode metrics are logged), the environment's reward is the reward, and summary.json has the environment's
-    figures before and after, the tool-off variant included. Learning itself is measured in the README's figures."""
+    figures before and after, the tool-off variant included. Learning itself is measured in docs/benchmarks.md."""
     from grpo.pipeline.experiment import run_experiment
     from grpo.runs import open_run_dir
 

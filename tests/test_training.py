@@ -1,5 +1,5 @@
 """Short real GRPO runs on the tiny model: a killed run resumes, and the run's pieces (checkpoints, plans, rewards)
-hold together. That the tiny preset learns, run to the end, is asserted on the README's main path, the served form
+hold together. That the tiny preset learns, run to the end, is asserted on the docs' main path, the served form
 (tests/test_ui_runs.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The README's UI path, as a person takes it: `grpo serve` with no options (the second time it is started, as on a
+"""The docs' UI path, as a person takes it: `grpo serve` with no options (the second time it is started, as on a
 person's second day), then Deployments → grpo-pipeline/local → Run, in Chromium, against the session's real Prefect
 and MLflow servers.
 
@@ -8,7 +8,7 @@ and MLflow servers.
 - a Custom run with changed fields, stopped, is resumed from the form (every section opened) and completes, saying
   where it continues and counting its ETA from there; a resume whose config really differs fails with that one line;
 - a crash in a served run keeps its traceback in the run's log;
-- the README's API parameters run.
+- the guide's API parameters run.
 
 A stop that must land while training runs is forced, not timed: the run's reward blocks at its first call while a
 gate file exists, and the gate opens once the run has received the stop.
@@ -502,7 +502,7 @@ def test_an_environment_preset_from_the_form_trains_on_episodes_and_its_summary_
 
 
 def test_the_readme_api_parameters_run(served):
-    """README: "Through the API, a run's parameters are the same names"; its example, with fewer steps."""
+    """docs/guides/prefect-ui.md, "Start a run through the API": its example, as the docs show it."""
     deployment_id = served.deployment()["id"]
     params = {"preset": "tiny", "learning_rate": 2e-4, "max_steps": 30, "grpo_settings": {"beta": 0.04}}
     created = served.server.post(f"deployments/{deployment_id}/create_flow_run", {"parameters": params}).json()

@@ -1,4 +1,4 @@
-"""A recurring sweep as a person sets one up: `grpo serve --schedule CRON` (README, Schedules) with a cron due the next
+"""A recurring sweep as a person sets one up: `grpo serve --schedule CRON` (docs: Schedules) with a cron due the next
 minute, against the session's real Prefect and MLflow servers: the schedule really starts a sweep with the sweep
 form's defaults, which completes (three trials of 50 steps); the sweep's run form reads as titled fields, in
 Chromium."""

@@ -524,7 +524,8 @@ TeamHomeOpt = Annotated[Optional[Path], typer.Option("--home", metavar="DIR", he
 def team_up(
     home: TeamHomeOpt = None,
     host: Annotated[str, typer.Option(help="Address the Prefect and MLflow servers listen on (PostgreSQL stays on "
-                                           "127.0.0.1); put a TLS proxy in front for others (README).")] = "127.0.0.1",
+                                           "127.0.0.1); put a TLS proxy in front for others "
+                                           "(docs/guides/team.md).")] = "127.0.0.1",
     prefect_port: Annotated[int, typer.Option(help="Prefect UI/API port.")] = 4200,
     mlflow_port: Annotated[int, typer.Option(help="MLflow UI/API port.")] = 5000,
     pg_port: Annotated[int, typer.Option(help="PostgreSQL port (127.0.0.1).")] = 5432,
