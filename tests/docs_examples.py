@@ -1,9 +1,10 @@
 """The code blocks of the docs (docs/**/*.md) and README.md, and the checks that run them (tests/test_docs.py).
 
 A fenced block's language says what it is: ``bash`` (commands), ``python``, ``yaml``, ``json`` are examples and are
-run or checked; ``text`` (output) and ``mermaid`` (pictures) are not. A block whose first line is a comment naming a
-file (``# my_rewards.py``, ``# my-space.yaml``) is written to that file first, so the commands of the same pages use
-it as a reader would. An HTML comment on the line before a block changes what is done with it:
+run or checked; ``text`` (output), ``chart`` (a chart's points, drawn and checked by the docs build) and ``mermaid``
+(the README's picture) are not. A block whose first line is a comment naming a file (``# my_rewards.py``,
+``# my-space.yaml``) is written to that file first, so the commands of the same pages use it as a reader would. An
+HTML comment on the line before a block changes what is done with it:
 
 - ``<!-- docs-test: skip REASON -->``: not run (a GPU, your own files, a running team setup), the reason in the page;
 - ``<!-- docs-test: exit N -->``: its commands run for real and must exit N; a ``text`` block right after it is
@@ -33,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_LANGUAGES = {"bash", "python", "yaml", "json"}
-OTHER_LANGUAGES = {"text", "mermaid"}
+OTHER_LANGUAGES = {"text", "chart", "mermaid"}
 REAL_COMMANDS = {"validate", "rewards", "environments"}
 SPACE_KEYS = {"sampler", "n_trials", "seed", "startup_trials", "params", "pruner", "grid", "random"}
 _FENCE = re.compile(r"^(\s*)```(\S*)\s*$")

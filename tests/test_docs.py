@@ -85,6 +85,28 @@ def test_the_site_builds_strictly_and_its_reference_pages_are_the_schema_and_the
             else:
                 assert f"test-output/{name}" in built, name
 
+    # The pictures draw offline: no page has a mermaid block (Material fetches mermaid.js from unpkg to draw one) or
+    # loads a script from another host; the pipeline diagram is an SVG in the page naming the flow's stages in order.
+    pages = {page: page.read_text(encoding="utf-8") for page in site.rglob("*.html")}
+    fetching = [str(page.relative_to(site)) for page, text in pages.items()
+                if re.search(r'<pre class="mermaid"|<script[^>]*\ssrc="(https?:)?//', text)]
+    assert not fetching, f"pages that fetch a script from a CDN to draw their pictures: {fetching}"
+    for page in (site / "index.html", site / "concepts" / "index.html"):
+        diagram = re.search(r'<svg class="grpo-diagram".*?</svg>', pages[page], re.S)
+        assert diagram, f"{page.relative_to(site)}: no pipeline diagram"
+        assert re.findall(r'<text class="stage-name"[^>]*>([^<]+)</text>', diagram.group(0)) == _stage_names()
+    assert re.search(r'<svg class="grpo-chart".*?</svg>', pages[site / "benchmarks" / "index.html"], re.S)
+
+
+def _stage_names() -> list[str]:
+    """The pipeline's subflow runs, in the order a run makes them, as the Prefect UI and the console name them."""
+    from flows.pipeline import train_flow
+    from flows.stages import eval_flow, plan_flow, policy_flow, prep_flow
+
+    return [prep_flow.flow_run_name, plan_flow.flow_run_name, policy_flow.flow_run_name,
+            eval_flow.flow_run_name.format(tag="before"), train_flow.flow_run_name,
+            eval_flow.flow_run_name.format(tag="after")]
+
 
 def test_every_config_field_has_a_description():
     from grpo.app.reference import config_fields
