@@ -79,6 +79,14 @@ def _cuda_trainer(r: dict) -> None:
         assert _finite(r[key], 1e-6), (key, r[key])
 
 
+def _agent_concurrency(r: dict) -> None:
+    assert r["agent_errors"] == 0 and r["agent_rewards"] == r["episodes"] == 8, r  # smoke: 8 agents, each finished
+    assert r["episodes_match_text_protocol"] is True  # the agents' episodes are the tool environment's, token for token
+    assert r["runner_turns"] == r["calls_per_agent"] == 3  # every agent's call of a turn sampled in one batch
+    assert _finite(r["ratio_agent_round_over_turns_x_tool_plus_generation"], 1e-6)
+    assert _finite(r["agent_generate_s"], 1e-6) and _finite(r["text_protocol_round_s"], 1e-6)
+
+
 def _env_concurrency(r: dict) -> None:
     assert r["episodes_identical"] is True  # concurrent and serial steps: the same episodes
     assert r["tool_calls"] == r["episodes"] * r["turns"] == 16, r  # smoke: 8 episodes x 2 tool turns
@@ -172,6 +180,7 @@ CHECKS: dict[str, Callable[[dict], None]] = {
     "balance": _balance,
     "chunked_backward": _chunked_backward,
     "cuda_trainer": _cuda_trainer,
+    "agent_concurrency": _agent_concurrency,
     "env_concurrency": _env_concurrency,
     "plan": _plan,
     "reward_pool": _reward_pool,

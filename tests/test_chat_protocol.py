@@ -229,3 +229,75 @@ def test_the_tool_ledger_records_environment_methods_as_trl_reads_them():
     m = ledger.metrics(episodes=4)
     assert (m["env/tools/lookup/calls"], m["env/tools/lookup/failures"]) == (0.5, 0.25)
     assert m["env/tools/lookup/latency_s"] >= 0 and ledger.metrics(episodes=4)["env/tools/lookup/calls"] == 0
+
+
+CHAT_RESPONSES: list[dict] = []
+
+
+def _chat_calculator_agent(client, row: dict) -> float:
+    """A chat agent as people write them: ``tools`` in the request, the SDK's message appended as it came back, a
+    ``tool`` message per call (by ``tool_call_id``), the model called again until it answers."""
+    from grpo.environments import tool_schema
+
+    messages, tools = list(row["prompt"]), [tool_schema("calculator")]
+    for _ in range(3):
+        out = client.chat.completions.create(model="policy", messages=messages, tools=tools, logprobs=True)
+        CHAT_RESPONSES.append(out.model_dump())
+        message = out.choices[0].message
+        if not message.tool_calls:
+            return float((message.content or "").strip() == row["answer"])
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            result = get_tool(call.function.name)(**json.loads(call.function.arguments))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(result)})
+    return 0.0
+
+
+def test_a_chat_agent_calls_its_tools_through_chat_completions_on_the_tool_calling_model(tool_caller):
+    """An ``openai``-SDK agent on ``/v1/chat/completions`` with ``tools``, the tool-calling model answering greedily
+    (evaluation's generate): the model's calls come back as OpenAI ``tool_calls``, the agent runs them and calls again;
+    the episode is one sequence whose environment tokens are exactly the template's tool messages, its prompt the
+    conversation rendered with the tool's schema, and each response's ids are the episode's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo.environments import make_environment, tool_schema
+    from grpo.environments.agents import AGENTS
+    from grpo.environments.chat import turn_suffix_text
+    from grpo.environments.episodes import run_episodes
+    from grpo.training.evaluation import episode_generator
+
+    if "test_chat_calculator_agent" not in AGENTS.names():
+        AGENTS.register("test_chat_calculator_agent")(_chat_calculator_agent)
+    model_dir, data_file = tool_caller
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rows = [json.loads(line) for line in data_file.read_text().splitlines()[:4]]
+    CHAT_RESPONSES.clear()
+    eps = run_episodes([[0]] * len(rows), [make_environment("agent", agent="test_chat_calculator_agent")
+                                           for _ in rows], episode_generator(model, tok, do_sample=False), tok,
+                       rows=rows, max_turns=4, max_completion_length=160, step_timeout=60.0)
+    assert all(ep.error is None for ep in eps), [ep.error for ep in eps]
+    called = [ep for ep in eps if ep.turns > 1]  # the model called the tool, read its answer and answered
+    assert called and all(ep.stop_reason == "eos" and ep.reward in (0.0, 1.0) for ep in called), [
+        (ep.turns, ep.reward, ep.transcript) for ep in eps]
+    for ep, row in zip(eps, rows):
+        rendered = tok.apply_chat_template(row["prompt"], tools=[tool_schema("calculator")],
+                                           add_generation_prompt=True, tokenize=False)
+        assert ep.prompt_ids == tok(rendered, add_special_tokens=False)["input_ids"]
+    ep = called[0]
+    spans = _spans(ep.env_mask)
+    env_texts = [tok.decode(ep.completion_ids[a:b]) for a, b in spans]
+    tool_calls = [c for r in CHAT_RESPONSES for c in r["choices"][0]["message"]["tool_calls"] or []]
+    assert tool_calls and all(c["type"] == "function" and c["function"]["name"] == "calculator" for c in tool_calls)
+    results = [str(get_tool("calculator")(**json.loads(c["function"]["arguments"]))) for c in tool_calls]
+    suffixes = {turn_suffix_text(tok, [{"role": "tool", "content": r}]) for r in results}
+    assert env_texts and set(env_texts[: ep.turns - 1]) <= suffixes, (env_texts, suffixes)
+    # every response's ids are a run of the episode's model tokens, its prompt ids the sequence before it
+    sequence = ep.prompt_ids + ep.completion_ids
+    mine = [r for r in CHAT_RESPONSES if r["prompt_token_ids"][: len(ep.prompt_ids)] == ep.prompt_ids]
+    assert len(mine) == ep.turns
+    for r in mine:
+        start = len(r["prompt_token_ids"])
+        assert sequence[:start] == r["prompt_token_ids"]
+        assert sequence[start: start + len(r["choices"][0]["token_ids"])] == r["choices"][0]["token_ids"]
+        assert r["choices"][0]["logprobs"] is None  # evaluation's generate records none (training's does)

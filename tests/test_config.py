@@ -22,7 +22,7 @@ def rejects(overrides: list[str], *fragments: str) -> str:
 
 
 def test_defaults_and_presets_load():
-    assert (presets() == ["qwen2.5-0.5b-gsm8k", "tiny", "tiny-calculator", "tiny-guess-digit"]
+    assert (presets() == ["qwen2.5-0.5b-gsm8k", "tiny", "tiny-calculator", "tiny-calculator-agent", "tiny-guess-digit"]
             and presets("spaces") == ["tiny-lr-beta", "tiny-tpe-pruned"])
     cfg = load_config("tiny")
     assert cfg.model.is_tiny and cfg.data.synthetic
@@ -66,7 +66,7 @@ def test_presets_are_package_data_not_files_of_the_source_tree(tmp_path, monkeyp
     (tmp_path / "tiny").write_text("name: mine\n")
     assert load_config("tiny").name == "mine"
     with pytest.raises(ConfigError, match=r"config file not found: tni; or a preset name: qwen2.5-0.5b-gsm8k, tiny, "
-                                          r"tiny-calculator, tiny-guess-digit"):
+                                          r"tiny-calculator, tiny-calculator-agent, tiny-guess-digit"):
         load_config("tni")
 
 
@@ -83,7 +83,7 @@ def test_a_preset_replaces_the_form_default_and_refuses_a_changed_config():
         resolve_config(changed, "tiny")
     assert resolve_config(changed, None) == changed
     with pytest.raises(ConfigError, match=r"preset: unknown preset 'tni'; valid: qwen2.5-0.5b-gsm8k, tiny, "
-                                          r"tiny-calculator, tiny-guess-digit"):
+                                          r"tiny-calculator, tiny-calculator-agent, tiny-guess-digit"):
         resolve_config(tiny, "tni")
 
 

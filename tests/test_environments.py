@@ -115,7 +115,8 @@ def test_an_env_module_registers_environments_and_tools_and_may_also_hold_reward
         load_environment_module(bad)
 
 
-LIST_NAMES = "from grpo.environments import available_environments as e, available_tools as t; print(e(), t())"
+LIST_NAMES = ("from grpo.environments import available_environments as e, available_tools as t; "
+              "from grpo.environments.agents import available_agents as a; print(e(), t(), a())")
 
 
 def test_grpo_env_modules_and_entry_points_reach_a_fresh_process(tmp_path):
@@ -124,21 +125,26 @@ def test_grpo_env_modules_and_entry_points_reach_a_fresh_process(tmp_path):
     (tmp_path / "file_envs.py").write_text(
         "from grpo.environments import register_environment, register_tool\n"
         "@register_environment('from_file')\nclass E:\n    pass\n"
-        "@register_tool('file_tool')\ndef f(x: str) -> str:\n    return x\n")
+        "@register_tool('file_tool')\ndef f(x: str) -> str:\n    return x\n"
+        "from grpo.environments.agents import register_agent\n"
+        "@register_agent('file_agent')\ndef a(client, row):\n    return None\n")
     pkg = tmp_path / "site"
     (pkg / "ep_envs").mkdir(parents=True)
-    (pkg / "ep_envs" / "__init__.py").write_text("class Env:\n    pass\ndef tool(x: str) -> str:\n    return x\n")
+    (pkg / "ep_envs" / "__init__.py").write_text("class Env:\n    pass\ndef tool(x: str) -> str:\n    return x\n"
+                                                  "def agent(client, row):\n    return None\n")
     dist = pkg / "ep_envs-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-envs\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text(
-        "[grpo.environments]\nfrom_entry_point = ep_envs:Env\n\n[grpo.tools]\nentry_tool = ep_envs:tool\n")
+        "[grpo.environments]\nfrom_entry_point = ep_envs:Env\n\n[grpo.tools]\nentry_tool = ep_envs:tool\n\n"
+        "[grpo.agents]\nentry_agent = ep_envs:agent\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, str(pkg)]),
            "GRPO_ENV_MODULES": str(tmp_path / "file_envs.py")}
     result = subprocess.run([sys.executable, "-c", LIST_NAMES], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == ("['calculator', 'from_entry_point', 'from_file', 'guess_digit', 'openenv', "
-                                     "'tool_use'] ['calculator', 'entry_tool', 'file_tool']")
+    assert result.stdout.strip() == ("['agent', 'calculator', 'from_entry_point', 'from_file', 'guess_digit', "
+                                     "'openenv', 'tool_use'] ['calculator', 'entry_tool', 'file_tool'] "
+                                     "['calculator_agent', 'entry_agent', 'file_agent']")
 
 
 def test_the_calculator_evaluates_integer_arithmetic_and_nothing_else():
@@ -237,14 +243,20 @@ def grpo(*args: str, cwd, env=None) -> subprocess.CompletedProcess:
 def test_grpo_environments_lists_environments_and_tools(tmp_path):
     module = tmp_path / "cli_envs.py"
     module.write_text("from grpo.environments import register_environment\n"
-                      "@register_environment('cli_env')\nclass E:\n    '''Listed from a file.'''\n")
+                      "from grpo.environments.agents import register_agent\n"
+                      "@register_environment('cli_env')\nclass E:\n    '''Listed from a file.'''\n"
+                      "@register_agent('cli_agent')\ndef a(client, row):\n    '''An agent from a file.'''\n")
     result = grpo("environments", "--env-module", str(module), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    envs, tools = lines[1:lines.index("tools:")], lines[lines.index("tools:") + 1:]
+    envs, tools = lines[1:lines.index("tools:")], lines[lines.index("tools:") + 1:lines.index("agents:")]
+    agents = lines[lines.index("agents:") + 1:]
     assert lines[0] == "environments:"
-    assert [line.split()[0] for line in envs] == ["calculator", "cli_env", "guess_digit", "openenv", "tool_use"]
-    assert "Listed from a file." in envs[1] and [line.split()[0] for line in tools] == ["calculator"]
+    assert [line.split()[0] for line in envs] == ["agent", "calculator", "cli_env", "guess_digit", "openenv",
+                                                  "tool_use"]
+    assert "Listed from a file." in envs[2] and [line.split()[0] for line in tools] == ["calculator"]
+    assert [line.split()[0] for line in agents] == ["calculator_agent", "cli_agent"]
+    assert "An agent from a file." in agents[1]
 
 
 @pytest.mark.parametrize("args, env, fragment", [

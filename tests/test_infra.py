@@ -282,7 +282,8 @@ def test_deploy_creates_pools_and_deployments_with_schedule(prefect_server, depl
     # `prefect deploy` built the run form of flows/run_form.py: preset first, sections with every field described
     props = schema["properties"]
     assert min(props, key=lambda k: props[k]["position"]) == "preset"
-    assert (props["preset"]["enum"] == ["qwen2.5-0.5b-gsm8k", "tiny", "tiny-calculator", "tiny-guess-digit", None]
+    assert (props["preset"]["enum"] == ["qwen2.5-0.5b-gsm8k", "tiny", "tiny-calculator", "tiny-calculator-agent",
+                                        "tiny-guess-digit", None]
             and props["preset"]["title"] == "Preset")
     grpo_fields = props["grpo_settings"]["properties"]
     assert grpo_fields["loss_type"]["enum"][:3] == ["grpo", "dr_grpo", "dapo"]
@@ -542,7 +543,7 @@ def test_prefect_ui_form_runs_the_pipeline_and_pauses_the_schedule(prefect_serve
         page.screenshot(path=str(SCREENSHOTS / "prefect-run-form.png"))
 
         assert open_select(page, form_property(page, "Preset")) == [
-            "qwen2.5-0.5b-gsm8k", "tiny", "tiny-calculator", "tiny-guess-digit"]
+            "qwen2.5-0.5b-gsm8k", "tiny", "tiny-calculator", "tiny-calculator-agent", "tiny-guess-digit"]
         page.keyboard.press("Escape")
         loss = form_property(page, "Loss type")
         assert open_select(page, loss) == ["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]

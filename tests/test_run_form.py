@@ -63,7 +63,10 @@ def test_each_fields_help_names_every_presets_value_mappings_whole():
     """A mapping field's help shows each preset's whole value (tiny-calculator's ``{tool: on}``), not "Every preset:
     {}" read from the presets where it happens to be empty; registered names are the dropdowns' options."""
     env = section_schemas()["environment_settings"]["properties"]
-    assert env["kwargs"]["description"].endswith("Presets tiny: {}; tiny-calculator: {tool: on}; tiny-guess-digit: {}.")
+    assert env["kwargs"]["description"].endswith(
+        "Presets tiny: {}; tiny-calculator: {tool: on}; tiny-calculator-agent: {agent: calculator_agent}; "
+        "tiny-guess-digit: {}.")
+    assert env["agent"]["enum"] == ["calculator_agent"]
     variants = section_schemas()["evaluation_settings"]["properties"]["environment_variants"]["description"]
     assert "tiny-calculator: {tool_off: {tool: off}};" in variants
     assert {"calculator", "guess_digit", "openenv", "tool_use"} <= set(env["name"]["enum"])

@@ -139,7 +139,8 @@ def test_every_tiny_preset_ships_its_warm_started_model_and_nothing_else_ships()
     from grpo.training.policy import shipped_policies
 
     entries = entry_names(tiny_presets())
-    assert set(entries) == {"tiny", "tiny-calculator", "tiny-guess-digit"}
+    assert set(entries) == {"tiny", "tiny-calculator", "tiny-calculator-agent", "tiny-guess-digit"}
+    assert entries["tiny-calculator-agent"] == entries["tiny-calculator"]  # the agent plays calculator's task
     shipped = {d.name for d in shipped_policies().iterdir() if d.is_dir()}
     assert shipped == set(entries.values()), (
         f"the presets need {entries}, {sorted(shipped)} ship: run `python -m grpo.pipeline.shipped_policies`")

@@ -424,7 +424,7 @@ def rewards(reward_module: RewardModuleOpt = None) -> None:
 
 @app.command()
 def environments(env_module: EnvModuleOpt = None) -> None:
-    """List registered environments and tools."""
+    """List registered environments, tools and agents."""
     from grpo.environments import (
         available_environments,
         available_tools,
@@ -432,11 +432,13 @@ def environments(env_module: EnvModuleOpt = None) -> None:
         get_tool,
         load_environment_module,
     )
+    from grpo.environments.agents import available_agents, get_agent
 
     try:
         for module in env_module or []:
             load_environment_module(module)
-        sections = {"environments": (available_environments(), get_environment), "tools": (available_tools(), get_tool)}
+        sections = {"environments": (available_environments(), get_environment), "tools": (available_tools(), get_tool),
+                    "agents": (available_agents(), get_agent)}
     except GRPOPlatformError as err:
         _fail(str(err))
     for title, (names, get) in sections.items():

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from grpo.config.trl_and_rewards import (
+    check_agent_name,
     check_environment_builds,
     check_environment_names,
     check_reward_names,
@@ -251,6 +252,7 @@ def environment_is_registered(cfg: ExperimentConfig) -> None:
     after the model is built."""
     env = cfg.environment
     check_environment_names("environment.name", env.name, "environment.tools", env.tools)
+    check_agent_name("environment.agent", env.agent)
     if not env.enabled and (env.tools or env.kwargs):
         raise ValueError("environment.tools / environment.kwargs are set but environment.name is empty; name the "
                          "environment they belong to (grpo environments lists them)")

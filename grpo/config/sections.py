@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from grpo.algo.batch_layout import BatchLayout
 from grpo.config.rules import check_rules
 from grpo.config.trl_and_rewards import (
+    agent_enum,
     check_extra_fields,
     check_report_to,
     environment_enum,
@@ -436,6 +437,13 @@ class EnvironmentSection(_Section):
         "dataset column `environment` routes each row to the environment it names.",
         json_schema_extra=environment_enum,
     )
+    agent: str | None = Field(
+        None,
+        description="Registered agent each episode runs (an openai-SDK function given a client bound to its episode; "
+        "built-in: calculator_agent): its calls are sampled, recorded and trained on. Sets name to 'agent' (the "
+        "environment that runs agents) and kwargs.agent.",
+        json_schema_extra=agent_enum,
+    )
     kwargs: dict[str, Any] = Field(
         {}, description="Keyword arguments of the environment, e.g. {tool: off} for calculator (TRL's "
         "environment_factory arguments)."
@@ -464,6 +472,26 @@ class EnvironmentSection(_Section):
         "interval's first generation batch, main process): an agent span with one span per model turn and per tool "
         "call, written off the training thread. 0: none."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _agent_runs_in_agent_environment(cls, data: Any) -> Any:
+        """``agent: x`` is ``name: agent`` with ``kwargs.agent: x`` (and the other way round), so every rollout
+        path builds the agent's episodes as it builds any environment's."""
+        if not isinstance(data, dict):
+            return data
+        agent, name, kwargs = data.get("agent"), data.get("name"), dict(data.get("kwargs") or {})
+        if agent is None and name == "agent" and isinstance(kwargs.get("agent"), str):
+            agent = kwargs["agent"]
+        if agent is None:
+            return data
+        if name not in (None, "agent"):
+            raise ValueError(f"environment.agent {agent!r} runs in the environment 'agent'; environment.name is "
+                             f"{name!r}: leave it empty")
+        if kwargs.get("agent", agent) != agent:
+            raise ValueError(f"environment.agent is {agent!r} but environment.kwargs.agent is {kwargs['agent']!r}; "
+                             "set environment.agent only")
+        return {**data, "agent": agent, "name": "agent", "kwargs": {"agent": agent, **kwargs}}
 
     @property
     def enabled(self) -> bool:

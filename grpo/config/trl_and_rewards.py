@@ -25,11 +25,13 @@ __all__ = [
     "TRL_SECRET_FIELDS",
     "check_extra_fields",
     "check_report_to",
+    "check_agent_name",
     "check_environment_builds",
     "check_environment_names",
     "check_reward_names",
     "environment_kind",
     "environment_lacks_step",
+    "agent_enum",
     "environment_enum",
     "grpo_config_help",
     "reward_enum",
@@ -129,6 +131,14 @@ def check_environment_names(field: str, name: str | None, tools_field: str, tool
     for tool in tools:
         if tool not in known_tools:
             raise ValueError(f"{tools_field}: unknown tool {tool!r}; registered tools: {', '.join(known_tools)}")
+
+
+def check_agent_name(field: str, name: str | None) -> None:
+    """The agent a config names is registered (built-ins, entry points, ``GRPO_ENV_MODULES``, ``--env-module``)."""
+    from grpo.environments.agents import available_agents
+
+    if name is not None and name not in (known := available_agents()):
+        raise ValueError(f"{field}: unknown agent {name!r}; registered agents: {', '.join(known)}")
 
 
 def check_environment_builds(field: str, name: str, kwargs: dict[str, Any]) -> None:
@@ -234,6 +244,13 @@ def environment_enum(schema: dict[str, Any]) -> None:
     from grpo.environments import available_environments
 
     _choices(schema, available_environments())
+
+
+def agent_enum(schema: dict[str, Any]) -> None:
+    """Registered agent names as a closed choice."""
+    from grpo.environments.agents import available_agents
+
+    _choices(schema, available_agents())
 
 
 def tool_enum(schema: dict[str, Any]) -> None:

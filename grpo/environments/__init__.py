@@ -63,10 +63,12 @@ def register_tool(name: str) -> Callable[[Tool], Tool]:
 
 def load_environment_module(path: str | Path, source: str = "--env-module") -> list[str]:
     """Import a local Python file so its environments and tools join the registries; returns the names it added
-    (environments, then tools). ``source`` names where the path came from, for the error message."""
-    tools_before = set(TOOLS.names())
+    (environments, then tools, then agents). ``source`` names where the path came from, for the error message."""
+    from grpo.environments.agents import AGENTS
+
+    tools_before, agents_before = set(TOOLS.names()), set(AGENTS.names())
     added = ENVIRONMENTS.load_module(path, source)
-    return added + sorted(set(TOOLS.names()) - tools_before)
+    return added + sorted(set(TOOLS.names()) - tools_before) + sorted(set(AGENTS.names()) - agents_before)
 
 
 def available_environments() -> list[str]:
@@ -116,7 +118,7 @@ def tool_schema(tool: Tool | str) -> dict[str, Any]:
     return get_json_schema(get_tool(tool) if isinstance(tool, str) else tool)
 
 
-from grpo.environments import builtin, openenv  # noqa: E402,F401  (register the built-ins; they import the names above)
+from grpo.environments import agents, builtin, openenv  # noqa: E402,F401  (register the built-ins; they import the names above)
 
 __all__ = [
     "ENVIRONMENTS", "MODULES_ENV", "TOOLS", "ConcurrencyLimit", "Environment", "StepResult", "ToolCall",

@@ -51,12 +51,23 @@ class ConcurrencyLimit:
     value: int | None = None
 
 
+class Tokens(NamedTuple):
+    """An observation already tokenised: the runner appends ``ids`` as they are (an agent's prompt, tokenised once
+    by the endpoint that received it), and the transcript shows ``text``."""
+
+    text: str
+    ids: Sequence[int]
+
+    def __str__(self) -> str:
+        return self.text
+
+
 class StepResult(NamedTuple):
     """What ``step`` returns: the text appended for the model (None or "" for nothing), whether the episode is over,
     this step's reward (None: no reward from this step; an episode's rewards are summed), and the tool calls the step
     made (for the tool metrics)."""
 
-    observation: str | None
+    observation: str | Tokens | None
     done: bool
     reward: float | None = None
     tool_calls: tuple[ToolCall, ...] = ()

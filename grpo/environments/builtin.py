@@ -3,6 +3,8 @@ feedback, observations of a few tokens.
 
 * ``calculator`` (tool and environment): integer ``+``, ``-``, ``*`` evaluated by a small parser (never ``eval``).
   On the addition task the policy may write ``[27+15]``, the tool answers ``42|``, the policy writes ``42``.
+* ``calculator_agent`` (an agent, :mod:`grpo.environments.agents`): the calculator task as a plain ``openai``-SDK
+  agent on ``/v1/completions``: it calls the model, parses ``[expr]``, computes, appends the answer, calls again.
 * ``guess_digit``: a hidden digit, at most 4 guesses, each answered ``<`` (the guess is below it), ``>`` (above) or
   ``=``; reward 1 on ``=``, else 0 (success@4). A guess is one digit, and every digit is a stop string, so an
   episode reads ``5>2<3=``.
@@ -16,6 +18,7 @@ import string
 from typing import Any
 
 from grpo.environments import register_environment, register_tool
+from grpo.environments.agents import register_agent
 from grpo.environments.base import Environment, StepResult, ToolEnvironment
 
 MAX_EXPRESSION_CHARS = 64
@@ -172,3 +175,25 @@ class ToolUseEnvironment:
 
     def reset(self, **row: Any) -> None:
         return None
+
+
+@register_agent("calculator_agent")
+def calculator_agent(client: Any, row: dict[str, Any]) -> float:
+    """The ``calculator`` environment's episode written as an agent: each completion that ends with ``]`` is a
+    call, answered as the environment answers it (its parser, tool and ``result|`` syntax), appended to the text,
+    and the model is called again; the first completion that is not a call is the answer (reward 1 when right).
+    At most three calls, as ``tiny-calculator``'s two tool iterations and the answer."""
+    env = CalculatorEnvironment()
+    env.reset(**row)
+    text = str(row["prompt"])
+    for _ in range(3):
+        piece = client.completions.create(model="policy", prompt=text, stop=list(env.stop_strings)).choices[0].text
+        result = env.step(piece)
+        if result.done:
+            return float(result.reward or 0.0)
+        text += piece + (result.observation or "")
+    return 0.0
+
+
+calculator_agent.environment = "calculator"  # its task's alphabet and warm-start demonstrations are calculator's
+calculator_agent.default_reward = 0.0  # an episode cut off by the token budget failed, as calculator's does

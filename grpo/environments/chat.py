@@ -42,6 +42,21 @@ def tool_suffix_text(tokenizer: Any, tool_messages: Sequence[Mapping[str, Any]])
     return full[len(prefix):]
 
 
+def turn_suffix_text(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None) -> str:
+    """What the chat template writes after an assistant turn (ended by its end-of-turn token) for ``messages`` (tool
+    results, a user's next message), through the next assistant header: :func:`tool_suffix_text` for any messages."""
+    extra = {"tools": list(tools)} if tools else {}
+    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"}]
+    prefix = tokenizer.apply_chat_template(dummy, add_generation_prompt=False, tokenize=False, **extra)
+    full = tokenizer.apply_chat_template(dummy + list(messages), add_generation_prompt=True, tokenize=False, **extra)
+    eos = tokenizer.eos_token
+    if eos and eos in prefix:
+        prefix = prefix[: prefix.rindex(eos) + len(eos)]
+    if not full.startswith(prefix):
+        raise ValueError("the chat template renders an assistant turn differently with messages after it")
+    return full[len(prefix):]
+
+
 def config_chat_tools(env_cfg: Any) -> list[Callable[..., Any]] | None:
     """The tools TRL renders into the prompts of a run with this ``environment`` section (protocol chat: its
     ``tools``, then the methods of ``environment.name``'s environment); None for another protocol or no environment.

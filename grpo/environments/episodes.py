@@ -32,6 +32,13 @@ starts its episode only while fewer than the limit of that group are live; the o
 after an episode of the group ends, and join the live episodes' batched turns. An environment's ``close()`` is called
 when its episode ends, whatever ended it, before any waiting episode starts.
 
+An environment may also set, per turn, ``stop_strings`` and ``turn_budget`` (read before each turn: an agent's call
+brings its own ``stop`` and ``max_tokens``; a turn cut by ``turn_budget`` is stepped with ``length``, not ended),
+``replaces_prompt`` (``reset``'s observation is the whole prompt), ``use_runner(tokenizer, generate)`` (called once
+before the episodes start), ``record_turn(ids, logprobs, ended)`` (the turn's kept ids as sampled, before the step)
+and observations as :class:`~grpo.environments.base.Tokens` (ids appended as given): what
+:class:`grpo.environments.agents.AgentEnvironment` needs to serve an agent's calls from this runner.
+
 The result depends only on the inputs: steps are collected by episode, whichever finishes first, and each turn's
 batch lists the live episodes in their order.
 """
@@ -47,7 +54,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from grpo.environments.base import Environment, StepResult
+from grpo.environments.base import Environment, StepResult, Tokens
 
 GenerateFn = Callable[[list[list[int]], list[int], tuple[str, ...]],
                       Sequence[tuple[Sequence[int], Sequence[float] | None]]]
@@ -270,8 +277,13 @@ def run_episodes(
     rewards: list[list[float]] = [[] for _ in range(n)]
     stops_of = [tuple(getattr(env, "stop_strings", ())) for env in environments]
     pool = StepPool(max_workers)
+    for env in environments:
+        if (use := getattr(env, "use_runner", None)) is not None:
+            use(tokenizer, generate)  # an agent's endpoint: the runner's tokenizer and sampling settings
 
-    def observation_ids(ep: Episode, text: str | None) -> list[int] | None:
+    def observation_ids(ep: Episode, text: str | Tokens | None) -> list[int] | None:
+        if isinstance(text, Tokens):
+            return list(text.ids)
         try:
             return _encode(tokenizer, text) if text else []
         except Exception as err:  # noqa: BLE001 - text the model's tokenizer cannot represent
@@ -319,7 +331,10 @@ def run_episodes(
                     ep._fail(f"environment reset: {call.error}")
                     failed.append(i)
                 elif (ids := observation_ids(ep, call.value)) is not None:
-                    ep.prompt_ids.extend(ids)
+                    if getattr(environments[i], "replaces_prompt", False):
+                        ep.prompt_ids = ids
+                    else:
+                        ep.prompt_ids.extend(ids)
                     live.append(i)
                 else:
                     failed.append(i)
@@ -330,10 +345,15 @@ def run_episodes(
             generated: dict[int, tuple[list[int], list[float] | None]] = {}
             generate_times: dict[int, tuple[float, float]] = {}
             groups: dict[tuple[str, ...], list[int]] = {}
+            budget_of: dict[int, int] = {}
             for i in live:
+                stops_of[i] = tuple(getattr(environments[i], "stop_strings", ()))  # an agent's call sets its own
+                left = max_completion_length - len(episodes[i].completion_ids)
+                cap = getattr(environments[i], "turn_budget", None)
+                budget_of[i] = left if cap is None else max(1, min(left, cap))
                 groups.setdefault(stops_of[i], []).append(i)
             for stops, members in groups.items():
-                budgets = [max_completion_length - len(episodes[i].completion_ids) for i in members]
+                budgets = [budget_of[i] for i in members]
                 seqs = [episodes[i].prompt_ids + episodes[i].completion_ids for i in members]
                 started_at = time.time()
                 out = list(generate(seqs, budgets, stops))
@@ -349,10 +369,13 @@ def run_episodes(
             stepping: list[tuple[int, str, str]] = []
             for i in live:
                 ep, (ids, logprobs) = episodes[i], generated[i]
-                keep, ended = _cut_turn(ids, max_completion_length - len(ep.completion_ids), eos, stops_of[i],
-                                        tokenizer)
+                keep, ended = _cut_turn(ids, budget_of[i], eos, stops_of[i], tokenizer)
+                if ended is None and budget_of[i] < max_completion_length - len(ep.completion_ids):
+                    ended = "length"  # the turn's own budget (an agent's max_tokens), not the episode's: stepped
                 ep._append(ids[:keep], None if logprobs is None else logprobs[:keep], 1)
                 ep.turns += 1
+                if (record := getattr(environments[i], "record_turn", None)) is not None:
+                    record(ids[:keep], None if logprobs is None else logprobs[:keep], ended)
                 text = _decode(tokenizer, ids[:keep])
                 ep.transcript.append(("model", text))
                 if ended is None:
@@ -399,7 +422,7 @@ def run_episodes(
                     if tail:
                         ep._append(tail, [ENV_LOGPROB] * len(tail), 0)
                         if len(tail) > 1:
-                            ep.transcript.append(("env", result.observation or ""))
+                            ep.transcript.append(("env", str(result.observation or "")))
                 elif ep.turns >= max_turns:
                     ep.stop_reason = "max_turns"
                 else:
@@ -410,7 +433,7 @@ def run_episodes(
                         continue
                     if obs:
                         ep._append(obs, [ENV_LOGPROB] * len(obs), 0)
-                        ep.transcript.append(("env", result.observation or ""))
+                        ep.transcript.append(("env", str(result.observation or "")))
                     if len(obs) == left:
                         ep.stop_reason = "max_tokens"
                     else:

@@ -201,6 +201,9 @@ def sampling_generate(model, gen: dict, tokenizer):
                                          tokenizer, list(max_new_tokens))
         return list(zip(ids, logprobs))
 
+    from grpo.environments.endpoint import sampling_params
+
+    generate.sampling = sampling_params(gen.get("temperature", 1.0), gen.get("top_p"), gen.get("top_k"))  # agents'
     return generate
 
 
@@ -250,6 +253,8 @@ def _worker(conn, model_dir: str, gen: dict, seed: int, threads: int, lora=None,
 
         for path in episodes.modules:
             load_environment_module(path, source="GRPO_ENV_MODULES")
+        if episodes.name == "agent":
+            from grpo.training import chat_loop  # noqa: F401  (the agent endpoint's chat parser: TRL's)
         generate = sampling_generate(model, gen, tokenizer)
     version = 0
     while True:

@@ -27,6 +27,18 @@ from trl.chat_template_utils import add_response_schema, parse_response
 
 from grpo.environments.base import StepResult, ToolCall
 from grpo.environments.chat import chat_tools, tool_suffix_text
+from grpo.environments.endpoint import set_chat_parser
+
+
+def parse_assistant(tokenizer: Any, ids: list[int], tools: Sequence[Any] | None = None) -> dict[str, Any]:
+    """An assistant turn's ids as a message (``content``, ``tool_calls`` with dict arguments), as TRL's tool loop
+    parses it: the agent endpoint's chat completions (:func:`grpo.environments.endpoint.set_chat_parser`)."""
+    if not (getattr(tokenizer, "response_template", None) or getattr(tokenizer, "response_schema", None)):
+        add_response_schema(tokenizer)  # what trl.GRPOTrainer does at construction; raises for other templates
+    return parse_response(tokenizer, list(ids), prefix=[], tools=list(tools or []))
+
+
+set_chat_parser(parse_assistant)
 
 
 class ChatToolLoop:

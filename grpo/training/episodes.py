@@ -32,6 +32,7 @@ import torch
 
 from grpo.environments import ROUTING_COLUMN, ToolEnvironment, get_tool, make_environment
 from grpo.environments.chat import ToolLedger
+from grpo.environments.endpoint import sampling_params
 from grpo.environments.episodes import ENV_LOGPROB, Episode, rollout_fields, run_episodes
 from grpo.environments.metrics import episode_metrics, tool_metrics
 
@@ -162,6 +163,8 @@ class EnvironmentRollouts:
 
     def _episodes_for(self, prompt_ids: list[list[int]], rows: list[dict[str, Any]]) -> list[Episode]:
         """The episodes of these prompts (one per row, in order): run here, with the current policy."""
+        from grpo.training import chat_loop  # noqa: F401  (the agent endpoint's chat parser: TRL's, as the loop's)
+
         env = self.experiment.environment
         environments = []
         for row in rows:
@@ -171,8 +174,11 @@ class EnvironmentRollouts:
             except Exception as err:  # noqa: BLE001 - that episode fails (reward NaN); the run goes on
                 environments.append(_Unbuildable(err))
         reset_rows = [reset_row(row) for row in rows]
+        generate = partial(self._generate_turn)
+        gc = self.generation_config
+        generate.sampling = sampling_params(gc.temperature, gc.top_p, gc.top_k)  # what an agent's call may repeat
         return run_episodes(
-            prompt_ids, environments, self._generate_turn, self._tokenizer, rows=reset_rows,
+            prompt_ids, environments, generate, self._tokenizer, rows=reset_rows,
             max_turns=env.max_turns, max_completion_length=self.max_completion_length,
             step_timeout=env.step_timeout, max_workers=env.max_concurrency, eos_token_ids=list(self.eos_token_ids),
         )

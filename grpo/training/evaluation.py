@@ -168,6 +168,10 @@ def episode_generator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
             out.extend((row[:end], None) for row, end in zip(rows, trim(rows, stop, [eos])))
         return out
 
+    from grpo.environments.endpoint import sampling_params
+
+    generate.sampling = sampling_params(temperature if do_sample else 0.0)  # what an agent's call may repeat
+
     return generate
 
 

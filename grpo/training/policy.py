@@ -63,8 +63,8 @@ def tiny_cache_key(cfg: ExperimentConfig, alphabet: str) -> str:
         "alphabet": alphabet,
         "seed": cfg.grpo.seed,
     }
-    if cfg.environment.enabled:  # the warm start demonstrates the environment's episodes
-        payload["environment"] = cfg.environment.name
+    if cfg.environment.enabled:  # the warm start demonstrates the environment's episodes (an agent's: its task's)
+        payload["environment"] = task_environment_name(cfg)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -223,7 +223,7 @@ def warm_start_pairs(data: DatasetDict, cfg: ExperimentConfig, tokenizer: PreTra
     ``guess_digit`` on ``synthetic:guess_digit`` searches sloppily (:func:`guess_digit_demonstrations`)."""
     tools = config_chat_tools(cfg.environment)  # protocol chat: TRL renders every prompt with its tools
     prompts, answers = prompt_texts(data["train"]["prompt"], tokenizer, tools), list(data["train"]["answer"])
-    rate, source, env = cfg.model.warm_start.carry_error_rate, cfg.data.source, cfg.environment.name
+    rate, source, env = cfg.model.warm_start.carry_error_rate, cfg.data.source, task_environment_name(cfg)
     if env == "calculator" and source == "synthetic:addition":
         return calculator_demonstrations(prompts, answers, rate, seed=cfg.data.seed)
     if env == "guess_digit" and source == "synthetic:guess_digit":
@@ -232,6 +232,17 @@ def warm_start_pairs(data: DatasetDict, cfg: ExperimentConfig, tokenizer: PreTra
         answers = flawed_addition_demonstrations(prompts, answers, rate, seed=cfg.data.seed,  # is demonstrated as given
                                                   worked=cfg.data.worked_answers)
     return prompts, answers
+
+
+def task_environment_name(cfg: ExperimentConfig) -> str | None:
+    """The environment whose task the run plays: ``environment.name``, or the one an agent names as its task
+    (``calculator_agent`` plays calculator's: same alphabet, same warm start)."""
+    env = cfg.environment
+    if env.agent is None:
+        return env.name
+    from grpo.environments.agents import task_environment
+
+    return task_environment(env.agent) or env.name
 
 
 def policy_alphabet(data: DatasetDict, cfg: ExperimentConfig) -> str:
@@ -243,8 +254,9 @@ def policy_alphabet(data: DatasetDict, cfg: ExperimentConfig) -> str:
     if env.enabled:
         from grpo.environments import ROUTING_COLUMN, environment_alphabet
 
-        names = {env.name, *(n for split in data.values() if ROUTING_COLUMN in split.column_names
-                             for n in split[ROUTING_COLUMN] if n)}
+        names = {env.name, task_environment_name(cfg), *(n for split in data.values()
+                                                          if ROUTING_COLUMN in split.column_names
+                                                          for n in split[ROUTING_COLUMN] if n)}
         alphabet = "".join(sorted(set(alphabet) | set(environment_alphabet(sorted(names), env.tools))))
     return alphabet
 

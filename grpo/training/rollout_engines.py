@@ -34,8 +34,10 @@ import math
 import queue
 import threading
 import time
+from functools import partial
 from typing import Any, Protocol
 
+from grpo.environments.endpoint import sampling_params
 from grpo.training.async_producer import EpisodeSettings, Rollout, rollout_of, run_episode_round
 
 
@@ -249,7 +251,12 @@ class VLLMServerEngine:
     def _run_episodes(self, round_id: int, prompt_ids: list[list[int]], rows: list[dict]) -> Rollout:
         start = time.perf_counter()
         version = self._version  # weights move only between messages: every turn below is sampled by this version
-        episodes = run_episode_round(prompt_ids, rows, self._turn, self._tokenizer, self._episodes,
+        from grpo.training import chat_loop  # noqa: F401  (the agent endpoint's chat parser: TRL's)
+
+        turn = partial(self._turn)
+        turn.sampling = sampling_params(self._sampling.get("temperature", 1.0), self._sampling.get("top_p"),
+                                        self._sampling.get("top_k"))  # what an agent's call may repeat
+        episodes = run_episode_round(prompt_ids, rows, turn, self._tokenizer, self._episodes,
                                      self._eos_token_ids)
         return rollout_of(round_id, version, [list(p) for p in prompt_ids], rows, episodes,
                           time.perf_counter() - start)

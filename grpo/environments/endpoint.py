@@ -1,0 +1,497 @@
+"""The policy behind an OpenAI-compatible endpoint, one URL per episode, served from the process that runs episodes.
+
+An agent (:mod:`grpo.environments.agents`) talks to ``http://127.0.0.1:<port>/sessions/<id>/v1``: ``POST
+/completions`` and ``GET /models``, OpenAI's schema plus vLLM's field names for what was sampled
+(``choices[].token_ids``, ``choices[].prompt_token_ids``, and ``logprobs`` with ``tokens`` / ``token_logprobs``). The
+server only receives and answers calls: a call waits in its :class:`Session` until THE episode runner
+(:func:`grpo.environments.episodes.run_episodes`) samples it in its batched ``generate`` with every other live episode
+(the runner's turn), so the endpoint runs wherever the runner runs (the sync trainer, the CPU generator process, the
+vLLM server engine's rounds) with no second generation path, and weights never change inside an episode.
+
+Rules a call meets (each refusal one HTTP error whose ``error.message`` says why):
+
+* sampling parameters are the run's (``grpo.temperature``, ``top_p``, ``top_k``; greedy in evaluation: those of
+  the runner's ``generate``, its ``sampling`` attribute): a call that sets one to another
+  value, or sets one the run does not use (penalties, ``seed``, ``logit_bias``, ``n``/``best_of`` > 1), is refused
+  with 400, so what trains is what the run's config says was sampled; ``max_tokens`` is capped by the episode's
+  tokens left, ``stop`` is honoured and the returned text includes the stop string (vLLM's
+  ``include_stop_str_in_output``: the sampled tokens are kept, so the text shows them);
+* the model is ``policy`` (404 for another name); an unknown session is 404; a call after its episode ended is 409,
+  as is a second call while one is waiting;
+* a call's prompt must extend the episode's previous prompt and completion (a string prompt as text, a token-id
+  prompt as ids): only the appended part is tokenised, so nothing the model wrote is ever re-tokenised. A prompt that
+  rewrites history is refused with 400 and ends its episode as an error (per-call samples are not supported yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+SERVED_MODEL = "policy"
+"""The model name the endpoint serves (an agent passes it as ``model``)."""
+
+_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "n": 1, "best_of": 1,
+            "logit_bias": None, "seed": None, "min_p": 0, "use_beam_search": False}
+
+
+def sampling_params(temperature: float, top_p: float | None = 1.0, top_k: int | None = None) -> dict[str, Any]:
+    """A ``generate``'s sampling settings as the endpoint compares them (greedy: temperature 0; no top-k: None). A
+    ``generate`` that carries them as its ``sampling`` attribute lets its agents' calls repeat (not change) them."""
+    return {"temperature": float(temperature), "top_p": 1.0 if top_p is None else float(top_p),
+            "top_k": None if not top_k or top_k < 0 else int(top_k)}
+
+
+class EndpointError(Exception):
+    """A refused call: its HTTP status and a message for the agent."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+def check_sampling(body: Mapping[str, Any], sampling: Mapping[str, Any] | None) -> None:
+    """Refuse (400) a call whose sampling parameters would change what the run samples (``sampling``: the runner's
+    ``generate``'s, :func:`sampling_params`; None, unknown: any value is refused)."""
+    for name in ("temperature", "top_p", "top_k"):
+        value = body.get(name)
+        if value is None:
+            continue
+        want = None if sampling is None else sampling.get(name)
+        if name == "top_k" and value in (0, -1):
+            value = None
+        same = sampling is not None and (value == want if value is None or want is None
+                                         else float(value) == float(want))
+        if not same:
+            run = f"{name}={want!r}" if sampling is not None else "unknown here"
+            raise EndpointError(400, f"{name}={body.get(name)!r} is refused: sampling parameters come from the run's "
+                                     f"config ({run}); leave it unset or send the run's value")
+    for name, neutral in _NEUTRAL.items():
+        value = body.get(name)
+        if value is not None and value != neutral and not (name == "logit_bias" and value == {}):
+            raise EndpointError(400, f"{name}={value!r} is refused: the run samples without it (sampling parameters "
+                                     f"come from the run's config)")
+
+
+@dataclass
+class Call:
+    """One model call of an agent, waiting for its turn: the whole prompt (text and ids), the part of it the
+    episode does not hold yet (``suffix_text`` / ``suffix_ids``), its ``stop`` strings and ``max_tokens``."""
+
+    prompt_text: str
+    prompt_ids: list[int]
+    suffix_text: str
+    suffix_ids: list[int]
+    stop: tuple[str, ...]
+    max_tokens: int | None
+    want_logprobs: bool
+    answer: Callable[[dict[str, Any] | EndpointError], None]
+    started: float = field(default_factory=time.time)
+    messages: list[dict[str, Any]] | None = None  # a chat call's conversation (normalised), None for a completion
+    tools: list[dict[str, Any]] | None = None
+
+
+class Session:
+    """One episode's calls. The server thread hands calls in (:meth:`submit`); the runner's thread takes them
+    (:meth:`wait`), answers them (:meth:`complete`) and ends the session (:meth:`end`)."""
+
+    def __init__(self, session_id: str, base_url: str, tokenizer: Any, sampling: Mapping[str, Any] | None) -> None:
+        self.id, self.base_url, self.tokenizer, self.sampling = session_id, base_url, tokenizer, sampling
+        self.cv = threading.Condition()
+        self.pending: Call | None = None  # submitted, not taken by the runner
+        self.current: Call | None = None  # taken, being sampled
+        self.text: str | None = None  # the last call's prompt + completion, as text
+        self.ids: list[int] = []  # ... as ids
+        self.ended = False
+        self.finished = False  # the agent returned or raised
+        self.reward: float | None = None
+        self.error: str | None = None  # the agent's failure, or a refused history rewrite
+        self.messages: list[dict[str, Any]] | None = None  # chat: the last call's conversation and its answer
+        self.tools: list[dict[str, Any]] | None = None
+
+    # ---- the server's side
+
+    def submit(self, prompt: str | list[int], stop: tuple[str, ...], max_tokens: int | None, want_logprobs: bool,
+               answer: Callable[[dict[str, Any] | EndpointError], None]) -> None:
+        with self.cv:
+            if self.ended:
+                raise EndpointError(409, f"session {self.id}: its episode has ended; no more calls are served",
+                                    "conflict")
+            if self.pending is not None or self.current is not None:
+                raise EndpointError(409, f"session {self.id}: a call is already waiting; an episode's calls are "
+                                         "made one at a time", "conflict")
+            if self.messages is not None:
+                self._rewrote()  # a completion after chat calls: no text to extend
+            if isinstance(prompt, str):
+                held = self.text
+                if held is None or not prompt.startswith(held):
+                    if held is not None:
+                        self._rewrote()
+                    held = ""
+                suffix_text = prompt[len(held):]
+                suffix_ids = _encode(self.tokenizer, suffix_text) if suffix_text else []
+                prefix_ids = self.ids if held else []
+                prompt_text = prompt
+            else:
+                if self.text is not None and list(prompt[:len(self.ids)]) != self.ids:
+                    self._rewrote()
+                prefix_ids = self.ids if self.text is not None else []
+                suffix_ids = list(prompt[len(prefix_ids):])
+                suffix_text = _decode(self.tokenizer, suffix_ids)
+                prompt_text = (self.text or "") + suffix_text
+            self.pending = Call(prompt_text, prefix_ids + suffix_ids, suffix_text, suffix_ids, stop, max_tokens,
+                                want_logprobs, answer)
+            self.cv.notify_all()
+
+    def submit_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, stop: tuple[str, ...],
+                    max_tokens: int | None, want_logprobs: bool,
+                    answer: Callable[[dict[str, Any] | EndpointError], None]) -> None:
+        """A chat call: the conversation rendered with the tokenizer's chat template (and ``tools``). A later call
+        extends the episode when its messages start with the previous call's messages and the assistant message it
+        was answered with; only what the template writes after that assistant turn is tokenised."""
+        from grpo.environments.chat import turn_suffix_text
+
+        with self.cv:
+            if self.ended:
+                raise EndpointError(409, f"session {self.id}: its episode has ended; no more calls are served",
+                                    "conflict")
+            if self.pending is not None or self.current is not None:
+                raise EndpointError(409, f"session {self.id}: a call is already waiting; an episode's calls are "
+                                         "made one at a time", "conflict")
+            if self.text is not None and self.messages is None:
+                self._rewrote()  # a chat call after completions: no conversation to extend
+            if self.messages is None:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                          **({"tools": tools} if tools else {}))
+                prompt_ids = _encode(self.tokenizer, text)
+                self.pending = Call(text, prompt_ids, text, prompt_ids, stop, max_tokens, want_logprobs, answer,
+                                    messages=messages, tools=tools)
+            else:
+                held = len(self.messages)
+                if tools != self.tools or messages[:held] != self.messages or len(messages) == held:
+                    self._rewrote()
+                suffix = turn_suffix_text(self.tokenizer, messages[held:], tools)
+                suffix_ids = _encode(self.tokenizer, suffix)
+                self.pending = Call(self.text + suffix, self.ids + suffix_ids, suffix, suffix_ids, stop, max_tokens,
+                                    want_logprobs, answer, messages=messages, tools=tools)
+            self.cv.notify_all()
+
+    def _rewrote(self) -> None:
+        self.error = ("the agent's prompt does not extend its previous call's prompt and completion (history "
+                      "rewritten); per-call samples are not supported yet: keep each prompt a continuation")
+        self.cv.notify_all()
+        raise EndpointError(400, f"session {self.id}: {self.error}")
+
+    # ---- the runner's side
+
+    def wait(self) -> Call | None:
+        """The next call (taken: it is being sampled), or None once the agent finished, failed or the episode
+        ended. Blocks; the runner's step timeout bounds it, and :meth:`end` releases it."""
+        with self.cv:
+            while self.pending is None and not self.finished and not self.ended and self.error is None:
+                self.cv.wait()
+            call, self.pending = self.pending, None
+            self.current = call
+            return call
+
+    def finish(self, reward: float | None = None, error: str | None = None) -> None:
+        """The agent returned ``reward`` or raised (``error``)."""
+        with self.cv:
+            self.finished, self.reward = True, reward
+            if error is not None and self.error is None:
+                self.error = error
+            self.cv.notify_all()
+
+    def complete(self, text: str, ids: Sequence[int], logprobs: Sequence[float] | None, finish: str) -> None:
+        """Answer the call being sampled with the turn the runner kept (the session's state first: the agent's next
+        call may arrive as soon as it reads the answer)."""
+        with self.cv:
+            call, self.current = self.current, None
+            if call is None:
+                return
+            self.text, self.ids = call.prompt_text + text, call.prompt_ids + list(ids)
+            if call.messages is None:
+                body: dict[str, Any] | EndpointError = _completion_body(self, call, text, list(ids), logprobs, finish)
+            else:
+                try:
+                    body, message = _chat_body(self, call, list(ids), logprobs, finish)
+                    self.messages, self.tools = [*call.messages, message], call.tools
+                except Exception as err:  # noqa: BLE001 - a parser that fails answers the agent, not the runner
+                    body = EndpointError(500, f"the completion could not be parsed: {type(err).__name__}: {err}",
+                                         "server_error")
+        call.answer(body)
+
+    def end(self) -> None:
+        """The episode is over: later calls get 409, a call still waiting is refused, the runner's wait returns."""
+        with self.cv:
+            self.ended = True
+            waiting, self.pending = self.pending, None
+            self.cv.notify_all()
+        if waiting is not None:
+            waiting.answer(EndpointError(409, f"session {self.id}: its episode has ended", "conflict"))
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+_ids = itertools.count()
+
+ChatParser = Callable[[Any, list[int], list[dict[str, Any]] | None], Mapping[str, Any]]
+_CHAT_PARSER: list[ChatParser] = []
+
+
+def set_chat_parser(parser: ChatParser) -> None:
+    """How chat completions are parsed into ``content`` and ``tool_calls`` (``parser(tokenizer, ids, tools)``, an
+    assistant message whose calls' ``arguments`` are dicts): the training layer sets TRL's, the chat protocol's
+    parser (:mod:`grpo.training.chat_loop`), so both read a model's tool calls alike."""
+    _CHAT_PARSER[:] = [parser]
+
+
+def normalise_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as the chat template renders it and the endpoint compares it: role, content (None as ""), tool
+    calls as ``{type, function: {name, arguments as a dict}}``, a tool message's name; nothing else (ids,
+    refusals, annotations)."""
+    import json
+
+    out: dict[str, Any] = {"role": message.get("role"), "content": message.get("content") or ""}
+    if isinstance(out["content"], list):  # content parts: their text
+        out["content"] = "".join(str(p.get("text", "")) for p in out["content"] if isinstance(p, Mapping))
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = dict(call.get("function") or {})
+        args = function.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        calls.append({"type": "function", "function": {"name": function.get("name"), "arguments": args}})
+    if calls:
+        out["tool_calls"] = calls
+    if message.get("name"):
+        out["name"] = message["name"]
+    return out
+
+
+def _chat_body(session: Session, call: Call, ids: list[int], logprobs: Sequence[float] | None,
+               finish: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The chat completion's body and the assistant message it stands for (normalised)."""
+    import json
+
+    if not _CHAT_PARSER:
+        raise RuntimeError("no chat parser in this process (grpo.training.chat_loop sets it)")
+    parsed = _CHAT_PARSER[0](session.tokenizer, ids, call.tools)
+    message = normalise_message({"role": "assistant", **parsed})
+    n = next(_ids)
+    tool_calls = [{"id": f"call_{n}_{i}", "type": "function",
+                   "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
+                  for i, c in enumerate(message.get("tool_calls", []))]
+    choice: dict[str, Any] = {
+        "index": 0, "message": {"role": "assistant", "content": message["content"], "tool_calls": tool_calls or None},
+        "finish_reason": "tool_calls" if tool_calls and finish == "stop" else finish, "token_ids": ids,
+        "logprobs": None}
+    if call.want_logprobs and logprobs is not None:
+        choice["logprobs"] = {"content": [{"token": session.tokenizer.decode([t]), "logprob": float(lp),
+                                           "bytes": None, "top_logprobs": []} for t, lp in zip(ids, logprobs)]}
+    body = {"id": f"chatcmpl-{session.id}-{n}", "object": "chat.completion", "created": int(time.time()),
+            "model": SERVED_MODEL, "prompt_token_ids": call.prompt_ids, "choices": [choice],
+            "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(ids),
+                      "total_tokens": len(call.prompt_ids) + len(ids)}}
+    return body, message
+
+
+def _completion_body(session: Session, call: Call, text: str, ids: list[int], logprobs: Sequence[float] | None,
+                     finish: str) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "token_ids": ids,
+                              "prompt_token_ids": call.prompt_ids, "logprobs": None}
+    if call.want_logprobs and logprobs is not None:
+        choice["logprobs"] = {"tokens": [session.tokenizer.decode([t]) for t in ids],
+                              "token_logprobs": [float(lp) for lp in logprobs], "text_offset": None,
+                              "top_logprobs": None}
+    return {"id": f"cmpl-{session.id}-{next(_ids)}", "object": "text_completion", "created": int(time.time()),
+            "model": SERVED_MODEL, "choices": [choice],
+            "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(ids),
+                      "total_tokens": len(call.prompt_ids) + len(ids)}}
+
+
+class Endpoint:
+    """The process's server (uvicorn in a daemon thread on 127.0.0.1, a free port) and its sessions. Ended
+    sessions are remembered (the last 100 000) so a late call reads 409, not 404."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, Session] = {}
+        self.ended: deque[str] = deque(maxlen=100_000)
+        self.ended_set: set[str] = set()
+        self.lock = threading.Lock()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.port = self._start()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _start(self) -> int:
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        app = Starlette(routes=[
+            Route("/sessions/{sid}/v1/completions", self._completions, methods=["POST"]),
+            Route("/sessions/{sid}/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/sessions/{sid}/v1/models", self._models, methods=["GET"]),
+        ])
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # accepted connections inherit it: a response's header and body writes go out at once, not 40 ms apart
+        # (Nagle's algorithm waiting on the client's delayed ACK, one call in 40 ms a connection)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(4096)  # a round's agents connect at once: a short queue drops connections (retried after 1 s)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                               timeout_keep_alive=600, backlog=4096))
+        ready = threading.Event()
+
+        def serve() -> None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            self.loop = loop
+            loop.call_soon(ready.set)
+            loop.run_until_complete(server.serve(sockets=[sock]))
+
+        threading.Thread(target=serve, name="grpo-agent-endpoint", daemon=True).start()
+        ready.wait(30)
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not server.started:
+            raise RuntimeError("the agent endpoint did not start within 30 s")
+        return sock.getsockname()[1]
+
+    def open(self, tokenizer: Any, sampling: Mapping[str, Any] | None) -> Session:
+        sid = secrets.token_hex(8)
+        session = Session(sid, f"{self.url}/sessions/{sid}/v1", tokenizer, sampling)
+        with self.lock:
+            self.sessions[sid] = session
+        return session
+
+    def close(self, session: Session) -> None:
+        session.end()
+        with self.lock:
+            self.sessions.pop(session.id, None)
+            if len(self.ended) == self.ended.maxlen:
+                self.ended_set.discard(self.ended[0])
+            self.ended.append(session.id)
+            self.ended_set.add(session.id)
+
+    # ---- HTTP
+
+    def _session(self, sid: str) -> Session:
+        with self.lock:
+            session = self.sessions.get(sid)
+            if session is None and sid in self.ended_set:
+                raise EndpointError(409, f"session {sid}: its episode has ended; no more calls are served", "conflict")
+        if session is None:
+            raise EndpointError(404, f"unknown session {sid!r}: each episode's agent gets its own base URL",
+                                "not_found_error")
+        return session
+
+    @staticmethod
+    def _error(err: EndpointError):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"error": {"message": err.message, "type": err.kind, "code": err.status}},
+                            status_code=err.status)
+
+    async def _models(self, request):
+        from starlette.responses import JSONResponse
+
+        try:
+            self._session(request.path_params["sid"])
+        except EndpointError as err:
+            return self._error(err)
+        return JSONResponse({"object": "list", "data": [{"id": SERVED_MODEL, "object": "model",
+                                                         "owned_by": "grpo"}]})
+
+    async def _chat(self, request):
+        return await self._serve(request, chat=True)
+
+    async def _completions(self, request):
+        return await self._serve(request, chat=False)
+
+    async def _serve(self, request, chat: bool):
+        from starlette.responses import JSONResponse
+
+        try:
+            session = self._session(request.path_params["sid"])
+            try:
+                body = await request.json()
+            except ValueError:
+                raise EndpointError(400, "the request body is not JSON") from None
+            model = body.get("model")
+            if model != SERVED_MODEL:
+                raise EndpointError(404, f"model {model!r} does not exist; this endpoint serves {SERVED_MODEL!r}",
+                                    "not_found_error")
+            check_sampling(body, session.sampling)
+            stop = body.get("stop") or ()
+            stop = (stop,) if isinstance(stop, str) else tuple(stop)
+            max_tokens = body.get("max_completion_tokens" if chat and "max_completion_tokens" in body
+                                  else "max_tokens")
+            if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+                raise EndpointError(400, f"max_tokens={max_tokens!r}: a positive integer (capped by the episode's "
+                                         "tokens left)")
+            if body.get("stream"):
+                raise EndpointError(400, "stream=true is not served: each call returns whole")
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future = loop.create_future()
+
+            def answer(value: dict[str, Any] | EndpointError) -> None:
+                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(value))
+
+            if chat:
+                messages = body.get("messages")
+                if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                    raise EndpointError(400, "messages: a non-empty list of messages")
+                tools = body.get("tools") or None
+                session.submit_chat([normalise_message(m) for m in messages], tools, stop, max_tokens,
+                                    bool(body.get("logprobs")), answer)
+            else:
+                prompt = body.get("prompt")
+                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                    prompt = prompt[0]
+                if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                                    and all(isinstance(t, int) for t in prompt))):
+                    raise EndpointError(400, "prompt: one string or one list of token ids")
+                session.submit(prompt, stop, max_tokens, body.get("logprobs") is not None, answer)
+            value = await future
+        except EndpointError as err:
+            return self._error(err)
+        if isinstance(value, EndpointError):
+            return self._error(value)
+        return JSONResponse(value)
+
+
+_ENDPOINT: Endpoint | None = None
+_ENDPOINT_LOCK = threading.Lock()
+
+
+def endpoint() -> Endpoint:
+    """This process's endpoint, started on first use."""
+    global _ENDPOINT
+    with _ENDPOINT_LOCK:
+        if _ENDPOINT is None:
+            _ENDPOINT = Endpoint()
+        return _ENDPOINT
+
+
+__all__ = ["SERVED_MODEL", "Call", "Endpoint", "EndpointError", "Session", "check_sampling", "endpoint",
+           "normalise_message", "sampling_params", "set_chat_parser"]

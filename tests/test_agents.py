@@ -1,0 +1,293 @@
+"""Agents (#47): a plain ``openai``-SDK function trains through the OpenAI-compatible endpoint the episode runner
+serves (grpo.environments.agents, grpo.environments.endpoint). The real ``openai`` package talks to the real
+endpoint in every test; ``generate`` is scripted where a test needs known tokens (the runner's input contract, as in
+tests/test_episodes.py) and is the tiny policy's sampler on the trainer's paths (sync and CPU generator process)."""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import replace
+
+import openai
+import pytest
+import torch
+
+from grpo.environments import make_environment
+from grpo.environments.agents import register_agent
+from grpo.environments.endpoint import SERVED_MODEL, endpoint, sampling_params
+from grpo.environments.episodes import ENV_LOGPROB, run_episodes
+from tests.test_episodes import EOS, TOK, enc
+
+RECORDED: dict[str, list] = {}
+
+
+class Scripted:
+    """The runner's ``generate``: each episode (told apart by its first 6 tokens) writes its next scripted turn
+    (``<eos>``: the end-of-sequence token), with log-probs ``-(turn + 1) / 10 - j / 1000``; it samples at the run's
+    temperature 1.0 (``sampling``)."""
+
+    sampling = sampling_params(1.0)
+
+    def __init__(self, turns: dict[str, list[list[int]]], tokenizer=TOK) -> None:
+        self.turns, self.tokenizer, self.done = turns, tokenizer, dict.fromkeys(turns, 0)
+
+    def __call__(self, seqs, max_new_tokens, stop_strings):
+        out = []
+        for seq in seqs:
+            key = self.tokenizer.decode(seq[:6])
+            ids = self.turns[key][self.done[key]]
+            self.done[key] += 1
+            out.append((ids, [-(self.done[key]) / 10 - j / 1000 for j in range(len(ids))]))
+        return out
+
+
+def ids(text: str) -> list[int]:
+    return enc(text.replace("<eos>", "")) + ([EOS] if text.endswith("<eos>") else [])
+
+
+def agent_episodes(agent: str, turns: dict[str, list[str]], rows=None, tokenizer=TOK, **kw):
+    scripted = Scripted({k: [ids(t) if isinstance(t, str) else t for t in v] for k, v in turns.items()})
+    rows = rows or [{"prompt": p} for p in turns]
+    kw = {"max_turns": 4, "max_completion_length": 32, "step_timeout": 30.0, **kw}
+    return run_episodes([enc(r["prompt"]) for r in rows], [make_environment("agent", agent=agent) for _ in rows],
+                        scripted, tokenizer, rows=rows, **kw)
+
+
+@register_agent("test_recording_agent")
+def recording_agent(client: openai.OpenAI, row: dict) -> float:
+    """The calculator loop by hand, keeping every response (token ids, prompt ids, log-probs)."""
+    text, responses = row["prompt"], []
+    while True:
+        out = client.completions.create(model=SERVED_MODEL, prompt=text, stop=["]"], logprobs=0)
+        responses.append(out.model_dump())
+        piece = out.choices[0].text
+        text += piece
+        if not piece.endswith("]"):
+            RECORDED[row["prompt"]] = responses
+            return float(piece == row["answer"])
+        text += "42|"
+
+
+def test_an_extending_agent_is_one_sequence_whose_appended_text_is_environment_tokens():
+    """Two calls, the second's prompt extending the first's prompt and completion: one sequence, the agent's
+    appended ``42|`` as environment tokens (env_mask 0, log-prob ENV_LOGPROB), the responses carrying exactly the
+    sampled ids and log-probs (vLLM's field names), the second call's prompt_token_ids the sequence so far."""
+    [ep] = agent_episodes("test_recording_agent", {"27+15=": ["[27+15]", "42<eos>"]},
+                          rows=[{"prompt": "27+15=", "answer": "42"}])
+    assert (ep.reward, ep.stop_reason, ep.error, ep.turns) == (1.0, "eos", None, 2)
+    assert ep.prompt_ids == enc("27+15=")
+    assert ep.completion_ids == enc("[27+15]") + enc("42|") + enc("42") + [EOS]
+    assert ep.env_mask == [1] * 7 + [0] * 3 + [1] * 3
+    assert ep.logprobs == pytest.approx([-0.1 - j / 1000 for j in range(7)] + [ENV_LOGPROB] * 3
+                                        + [-0.2 - j / 1000 for j in range(3)])
+    first, second = RECORDED["27+15="]
+    assert first["choices"][0]["token_ids"] == enc("[27+15]") and first["choices"][0]["finish_reason"] == "stop"
+    assert first["choices"][0]["prompt_token_ids"] == enc("27+15=")
+    assert first["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(ep.logprobs[:7])
+    assert second["choices"][0]["prompt_token_ids"] == ep.prompt_ids + ep.completion_ids[:10]
+    assert second["choices"][0]["token_ids"] == enc("42") + [EOS] and second["choices"][0]["text"] == "42"
+    assert second["model"] == SERVED_MODEL and second["usage"]["completion_tokens"] == 3
+
+    # its MLflow trace: the agent's episode, one chat-model span per call with what the agent appended after it
+    from grpo.tracking.traces import episode_trace
+    from grpo.training.episodes import episode_record
+
+    ep.environment = "agent"
+    _, spans = episode_trace(episode_record(ep, "27+15=", step=1), "0", "run")
+    calls = [sp for sp in spans if sp.span_type == "CHAT_MODEL"]
+    assert [(sp.outputs, sp.attributes["observation"]) for sp in calls] == [("[27+15]", "42|"), ("42", None)]
+
+
+def test_the_sampled_ids_are_kept_where_tokenising_their_text_gives_other_ids():
+    """A tokenizer with a merge (``4`` ``2`` -> ``42``): the model samples ``4``, ``2`` as two tokens, which the
+    text tokenises as one. The episode, the response and the next call's prompt ids keep the two sampled ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set("0123456789+=[]|"))
+    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", *chars, "42"])}
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[("4", "2")]))
+    bpe.pre_tokenizer = pre_tokenizers.Split("|", behavior="isolated")
+    bpe.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    four, two, merged = vocab["4"], vocab["2"], vocab["42"]
+    assert tok("42", add_special_tokens=False)["input_ids"] == [merged] and tok.decode([four, two]) == "42"
+
+    def t(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    first = t("[") + [four, two] + t("+1]")  # "[42+1]" sampled with 4 and 2 apart: its text tokenises as [..., 42, ...]
+    scripted = Scripted({"27+15=": [first, [four, two, tok.eos_token_id]]}, tokenizer=tok)
+    [ep] = run_episodes([t("27+15=")], [make_environment("agent", agent="test_recording_agent")], scripted, tok,
+                        rows=[{"prompt": "27+15=", "answer": "42"}], max_turns=4, max_completion_length=32,
+                        step_timeout=30.0)
+    assert ep.error is None and ep.reward == 1.0
+    assert t("27+15=[42+1]42|") != t("27+15=") + first + t("42|")  # what re-tokenising the prompt would give
+    assert ep.completion_ids == first + [merged, vocab["|"]] + [four, two, tok.eos_token_id]
+    assert ep.env_mask == [1] * 6 + [0, 0] + [1] * 3  # the agent's "42|": tokenised once, as text, on its own
+    second = RECORDED["27+15="][1]["choices"][0]
+    assert second["prompt_token_ids"] == t("27+15=") + first + [merged, vocab["|"]]
+    assert second["token_ids"] == [four, two, tok.eos_token_id]
+
+
+CALLS: dict[str, object] = {}
+RELEASE = threading.Event()
+
+
+@register_agent("test_probing_agent")
+def probing_agent(client: openai.OpenAI, row: dict) -> float | None:
+    """Per row's ``probe``: a refused call then a good one, a raise, a hang, a history rewrite."""
+    probe = row["probe"]
+    if probe == "params":
+        for bad in ({"temperature": 0.5}, {"top_p": 0.9}, {"seed": 3}, {"model": "gpt-4o"}):
+            try:
+                client.completions.create(**{"model": SERVED_MODEL, "prompt": row["prompt"], **bad})
+            except openai.APIStatusError as err:
+                CALLS[str(bad)] = (err.status_code, err.body["message"])
+        client.completions.create(model=SERVED_MODEL, prompt=row["prompt"], temperature=1.0, max_tokens=2)
+        CALLS["base_url"] = str(client.base_url)
+        CALLS["models"] = [m.id for m in client.models.list()]
+        return 0.5
+    if probe == "raise":
+        client.completions.create(model=SERVED_MODEL, prompt=row["prompt"], stop="]")
+        raise ValueError("the agent's parser broke")
+    if probe == "hang":
+        client.completions.create(model=SERVED_MODEL, prompt=row["prompt"], stop="]")
+        RELEASE.wait(120)
+        return 1.0
+    if probe == "rewrite":
+        out = client.completions.create(model=SERVED_MODEL, prompt=row["prompt"], stop="]")
+        try:
+            client.completions.create(model=SERVED_MODEL, prompt="11+11=" + out.choices[0].text)
+        except openai.BadRequestError as err:
+            CALLS["rewrite"] = err.body["message"]
+        return 1.0
+    return None
+
+
+def test_refused_calls_faults_and_ended_sessions_each_get_one_clear_answer():
+    """One round: a call changing the run's sampling (temperature, top_p, seed) or naming another model is refused
+    with one clear HTTP error and the agent goes on (the run's temperature and a ``max_tokens`` cap are served); an
+    agent that raises, one that hangs past the step timeout and one that rewrites its history end their own episodes
+    with NaN and the reason while the round completes; afterwards the ended session answers 409 and an unknown one
+    404."""
+    probes = ["params", "raise", "hang", "rewrite"]
+    rows = [{"prompt": f"{i}{i}+{i}{i}=", "probe": p} for i, p in enumerate(probes, 1)]
+    turns = {r["prompt"]: ["[1]", "2<eos>"] for r in rows}
+    try:
+        eps = agent_episodes("test_probing_agent", turns, rows=rows, step_timeout=3.0)
+    finally:
+        RELEASE.set()
+    params, raised, hung, rewrote = eps
+    assert CALLS["{'temperature': 0.5}"] == (400, "temperature=0.5 is refused: sampling parameters come from the run's "
+                                              "config (temperature=1.0); leave it unset or send the run's value")
+    assert CALLS["{'top_p': 0.9}"][0] == 400 and "top_p=0.9 is refused" in CALLS["{'top_p': 0.9}"][1]
+    assert CALLS["{'seed': 3}"][0] == 400 and "seed=3 is refused" in CALLS["{'seed': 3}"][1]
+    assert CALLS["{'model': 'gpt-4o'}"] == (404, "model 'gpt-4o' does not exist; this endpoint serves 'policy'")
+    assert (params.reward, params.error, params.turns) == (0.5, None, 1) and CALLS["models"] == [SERVED_MODEL]
+    assert params.completion_ids[:2] == enc("[1") and params.env_mask[:2] == [1, 1]  # max_tokens=2 cut the turn
+    for ep, why in ((raised, "environment step: RuntimeError: agent raised ValueError: the agent's parser broke"),
+                    (hung, "environment step: timed out after 3 s")):
+        assert math.isnan(ep.reward) and ep.stop_reason == "error" and ep.error == why, ep.error
+    assert math.isnan(rewrote.reward) and "history rewritten" in rewrote.error
+    assert CALLS["rewrite"].endswith("per-call samples are not supported yet: keep each prompt a continuation")
+
+    ended = openai.OpenAI(base_url=CALLS["base_url"], api_key="x", max_retries=0)
+    with pytest.raises(openai.ConflictError, match="its episode has ended"):
+        ended.completions.create(model=SERVED_MODEL, prompt="1+1=")
+    unknown = openai.OpenAI(base_url=f"{endpoint().url}/sessions/nope/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="unknown session 'nope'"):
+        unknown.completions.create(model=SERVED_MODEL, prompt="1+1=")
+
+
+# ---------------------------------------------------------------- the trainer's paths: sync, CPU generator process
+
+AGENT_TRAINER = {"model.warm_start.steps": 0, "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4,
+                 "grpo.max_completion_length": 32, "grpo.temperature": 1.5, "environment.agent": "calculator_agent",
+                 "grpo.reward_funcs": "[env_reward]"}
+
+
+@pytest.mark.integration
+def test_the_sync_and_generator_process_paths_train_on_the_same_agent_episodes(tmp_path):
+    """``environment.agent: calculator_agent`` on the micro trainer: the sync trainer's episodes (its endpoint in
+    this process) and the async trainer's (the agent and the endpoint in the CPU generator process) are the same
+    for the same seed, token for token; in the trainer's batch the agent's appended text is environment tokens,
+    whose per-token log-probs get exactly zero gradient, and the episode metrics are logged."""
+    from tests.test_async_episodes import ASYNC, batch_of
+    from tests.trainers import logp_gradient, micro_trainer
+
+    sync = micro_trainer(tmp_path / "sync", AGENT_TRAINER)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # the generator's (async.generator_threads)
+        torch.manual_seed(sync.args.seed)
+        prompt_ids, rows = batch_of(sync, 0)
+        expected = sync._episodes_for(prompt_ids, rows)
+    finally:
+        torch.set_num_threads(threads)
+    trainer = micro_trainer(tmp_path / "async", {**AGENT_TRAINER, **ASYNC})
+    try:
+        got = trainer._episodes_for(prompt_ids, rows)
+    finally:
+        trainer.close_producer()
+    assert all(ep.error is None for ep in expected) and any(ep.env_tokens for ep in expected)
+    assert [replace(ep, logprobs=None, environment=None) for ep in got] == [replace(ep, logprobs=None)
+                                                                           for ep in expected]
+    for ep, ref in zip(got, expected):
+        assert ep.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+
+    torch.manual_seed(0)
+    batch = sync.assemble_generation_batch([dict(sync.train_dataset[i]) for i in range(2) for _ in range(4)])
+    env = (batch["completion_mask"] * (1 - batch["tool_mask"])).bool()
+    assert env.any()
+    tok = sync.processing_class
+    for i in range(env.shape[0]):  # environment tokens are the calculator's answers the agent appended, or the EOS
+        text = "".join(tok.convert_ids_to_tokens(t) for t in batch["completion_ids"][i][env[i]].tolist())
+        assert set(text) <= set("0123456789|-error: no[unknowtlcalutr") | {*tok.eos_token}, text
+    batch = dict(batch, advantages=torch.linspace(-1, 1, batch["advantages"].numel()))
+    grad = logp_gradient(sync, batch)
+    assert grad[env].abs().max() == 0 and grad[~env & batch["completion_mask"].bool()].abs().max() > 0
+    for name in ("env/turns/mean", "env/env_tokens/mean", "env/errors", "env/generated_tokens/mean",
+                 "env/agent/reward_mean"):
+        assert sync._metrics["train"][name], name
+
+
+def test_the_config_names_an_agent_and_an_unknown_one_is_one_line(tmp_path):
+    """``environment.agent`` selects a registered agent (an ``--env-module`` file's too); an unknown name, or an
+    agent beside another environment name, is one line naming the field."""
+    from grpo.config import load_config
+    from grpo.environments import load_environment_module
+    from grpo.errors import ConfigError
+
+    cfg = load_config("tiny-calculator-agent")
+    assert (cfg.environment.name, cfg.environment.agent, cfg.environment.kwargs) == (
+        "agent", "calculator_agent", {"agent": "calculator_agent"})
+    with pytest.raises(ConfigError, match=r"environment\.agent: unknown agent 'nope'; registered agents: .*"
+                                          r"calculator_agent") as err:
+        load_config("tiny-calculator-agent", ["environment.agent=nope"])
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"environment\.agent 'calculator_agent' runs in the environment 'agent'; "
+                                          r"environment\.name is 'calculator': leave it empty"):
+        load_config("tiny-calculator-agent", ["environment.name=calculator"])
+    module = tmp_path / "my_agents.py"
+    module.write_text("from grpo.environments.agents import register_agent\n\n\n"
+                      "@register_agent('my_file_agent')\ndef agent(client, row):\n    return None\n")
+    assert load_environment_module(module) == ["my_file_agent"]
+    mine = load_config("tiny-calculator-agent", ["environment.agent=my_file_agent"])
+    assert (mine.environment.agent, mine.environment.kwargs) == ("my_file_agent", {"agent": "my_file_agent"})
+
+
+@register_agent("test_async_agent")
+async def async_agent(client: openai.AsyncOpenAI, row: dict) -> None:
+    """An ``async def`` agent: it gets an ``AsyncOpenAI`` client; returning None leaves the reward to the run."""
+    assert isinstance(client, openai.AsyncOpenAI)
+    out = await client.completions.create(model=SERVED_MODEL, prompt=row["prompt"], stop="]")
+    await client.completions.create(model=SERVED_MODEL, prompt=row["prompt"] + out.choices[0].text + "42|")
+    return None
+
+
+def test_an_async_agent_runs_with_an_async_client_and_may_leave_the_reward_to_the_run():
+    [ep] = agent_episodes("test_async_agent", {"27+15=": ["[27+15]", "42<eos>"]})
+    assert (ep.error, ep.reward, ep.turns, ep.stop_reason) == (None, None, 2, "eos")
+    assert ep.completion_ids == enc("[27+15]42|42") + [EOS] and ep.env_mask == [1] * 7 + [0] * 3 + [1] * 3
