@@ -515,6 +515,53 @@ def ui(
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+@app.command("serve-model")
+def serve_model(
+    folder: Annotated[Path, typer.Argument(metavar="DIR", help="A saved model's folder, e.g. runs/NAME/model.")],
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    model_name: Annotated[Optional[str], typer.Option(help="The model's name in the API (default: the run's name, "
+                                                           "the folder above model/).")] = None,
+    max_batch: Annotated[int, typer.Option(metavar="N", help="At most N calls sampled at once (one generate); "
+                                                            "later ones wait.")] = 64,
+) -> None:
+    """Serve a trained model on an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) for
+    eval harnesses, until Ctrl-C. Unlike the training endpoint, each call's temperature (0: greedy), top_p, top_k,
+    max_tokens, stop and seed are honoured; concurrent calls are sampled together in one batch."""
+    from grpo.app.ui import port_taken
+
+    if max_batch < 1:
+        _fail(f"--max-batch {max_batch}: must be >= 1")
+    if port_taken(port, host):
+        _fail(f"port {port} already in use on {host}; pick a free one, e.g. grpo serve-model {folder} "
+              f"--port {port + 1}")
+    from grpo.console import quiet_library_noise
+    from grpo.training.model_server import ModelServer, default_model_name, load_model
+
+    quiet_library_noise()  # no "Loading weights" bar under the serving line
+    try:
+        model, tokenizer = load_model(folder)
+    except GRPOPlatformError as err:
+        _fail(str(err))
+    from grpo.app import procguard
+
+    server = ModelServer(model, tokenizer, model_name or default_model_name(folder), max_batch)
+    procguard.install_signal_handlers()  # SIGTERM unwinds like Ctrl-C
+    try:
+        try:
+            bound = server.listen(host, port)
+        except OSError as err:  # taken between the check and the bind
+            _fail(f"cannot listen on {host}:{port}: {err.strerror or err}")
+        typer.echo(f"serving {server.name} at http://{host}:{bound}/v1 (Ctrl-C stops)")
+        server.run()
+    except (KeyboardInterrupt, procguard.Terminated):
+        typer.echo("stopped")
+    finally:
+        server.stop()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 team_app = typer.Typer(no_args_is_help=True, help="The team setup without Docker: PostgreSQL, the Prefect and MLflow "
                                                    "servers on it with authentication, the work pools and deployments.")
 app.add_typer(team_app, name="team")

@@ -21,6 +21,10 @@ Rules a call meets (each refusal one HTTP error whose ``error.message`` says why
 * a call's prompt must extend the episode's previous prompt and completion (a string prompt as text, a token-id
   prompt as ids): only the appended part is tokenised, so nothing the model wrote is ever re-tokenised. A prompt that
   rewrites history is refused with 400 and ends its episode as an error (per-call samples are not supported yet).
+
+``grpo serve-model`` (:mod:`grpo.training.model_server`) serves a saved model without sessions through the same
+server start (:func:`start_server`), request parsing (:func:`parse_call`) and response bodies
+(:func:`completion_body`, :func:`chat_body`); only its sampling rule differs (the client's parameters count).
 """
 
 from __future__ import annotations
@@ -219,10 +223,12 @@ class Session:
                 return
             self.text, self.ids = call.prompt_text + text, call.prompt_ids + list(ids)
             if call.messages is None:
-                body: dict[str, Any] | EndpointError = _completion_body(self, call, text, list(ids), logprobs, finish)
+                body: dict[str, Any] | EndpointError = completion_body(self.tokenizer, call, text, list(ids), logprobs,
+                                                                       finish, SERVED_MODEL, f"cmpl-{self.id}")
             else:
                 try:
-                    body, message = _chat_body(self, call, list(ids), logprobs, finish)
+                    body, message = chat_body(self.tokenizer, call, list(ids), logprobs, finish, SERVED_MODEL,
+                                              f"chatcmpl-{self.id}")
                     self.messages, self.tools = [*call.messages, message], call.tools
                 except Exception as err:  # noqa: BLE001 - a parser that fails answers the agent, not the runner
                     body = EndpointError(500, f"the completion could not be parsed: {type(err).__name__}: {err}",
@@ -286,14 +292,15 @@ def normalise_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _chat_body(session: Session, call: Call, ids: list[int], logprobs: Sequence[float] | None,
-               finish: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The chat completion's body and the assistant message it stands for (normalised)."""
+def chat_body(tokenizer: Any, call: Call, ids: list[int], logprobs: Sequence[float] | None, finish: str,
+              model: str, id_prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The chat completion's body (``model`` answering, its id starting ``id_prefix``) and the assistant message it
+    stands for (normalised): the episode endpoint's and ``grpo serve-model``'s."""
     import json
 
     if not _CHAT_PARSER:
         raise RuntimeError("no chat parser in this process (grpo.training.chat_loop sets it)")
-    parsed = _CHAT_PARSER[0](session.tokenizer, ids, call.tools)
+    parsed = _CHAT_PARSER[0](tokenizer, ids, call.tools)
     message = normalise_message({"role": "assistant", **parsed})
     n = next(_ids)
     tool_calls = [{"id": f"call_{n}_{i}", "type": "function",
@@ -304,25 +311,27 @@ def _chat_body(session: Session, call: Call, ids: list[int], logprobs: Sequence[
         "finish_reason": "tool_calls" if tool_calls and finish == "stop" else finish, "token_ids": ids,
         "logprobs": None}
     if call.want_logprobs and logprobs is not None:
-        choice["logprobs"] = {"content": [{"token": session.tokenizer.decode([t]), "logprob": float(lp),
+        choice["logprobs"] = {"content": [{"token": tokenizer.decode([t]), "logprob": float(lp),
                                            "bytes": None, "top_logprobs": []} for t, lp in zip(ids, logprobs)]}
-    body = {"id": f"chatcmpl-{session.id}-{n}", "object": "chat.completion", "created": int(time.time()),
-            "model": SERVED_MODEL, "prompt_token_ids": call.prompt_ids, "choices": [choice],
+    body = {"id": f"{id_prefix}-{n}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "prompt_token_ids": call.prompt_ids, "choices": [choice],
             "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(ids),
                       "total_tokens": len(call.prompt_ids) + len(ids)}}
     return body, message
 
 
-def _completion_body(session: Session, call: Call, text: str, ids: list[int], logprobs: Sequence[float] | None,
-                     finish: str) -> dict[str, Any]:
+def completion_body(tokenizer: Any, call: Call, text: str, ids: list[int], logprobs: Sequence[float] | None,
+                    finish: str, model: str, id_prefix: str) -> dict[str, Any]:
+    """A text completion's body (``model`` answering, its id starting ``id_prefix``), with vLLM's ``token_ids`` and
+    ``prompt_token_ids``: the episode endpoint's and ``grpo serve-model``'s."""
     choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "token_ids": ids,
                               "prompt_token_ids": call.prompt_ids, "logprobs": None}
     if call.want_logprobs and logprobs is not None:
-        choice["logprobs"] = {"tokens": [session.tokenizer.decode([t]) for t in ids],
+        choice["logprobs"] = {"tokens": [tokenizer.decode([t]) for t in ids],
                               "token_logprobs": [float(lp) for lp in logprobs], "text_offset": None,
                               "top_logprobs": None}
-    return {"id": f"cmpl-{session.id}-{next(_ids)}", "object": "text_completion", "created": int(time.time()),
-            "model": SERVED_MODEL, "choices": [choice],
+    return {"id": f"{id_prefix}-{next(_ids)}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice],
             "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(ids),
                       "total_tokens": len(call.prompt_ids) + len(ids)}}
 
@@ -336,46 +345,18 @@ class Endpoint:
         self.ended: deque[str] = deque(maxlen=100_000)
         self.ended_set: set[str] = set()
         self.lock = threading.Lock()
-        self.loop: asyncio.AbstractEventLoop | None = None
         self.port = self._start()
         self.url = f"http://127.0.0.1:{self.port}"
 
     def _start(self) -> int:
-        import uvicorn
-        from starlette.applications import Starlette
         from starlette.routing import Route
 
-        app = Starlette(routes=[
+        _, port = start_server([
             Route("/sessions/{sid}/v1/completions", self._completions, methods=["POST"]),
             Route("/sessions/{sid}/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/sessions/{sid}/v1/models", self._models, methods=["GET"]),
-        ])
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        # accepted connections inherit it: a response's header and body writes go out at once, not 40 ms apart
-        # (Nagle's algorithm waiting on the client's delayed ACK, one call in 40 ms a connection)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(4096)  # a round's agents connect at once: a short queue drops connections (retried after 1 s)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                               timeout_keep_alive=600, backlog=4096))
-        ready = threading.Event()
-
-        def serve() -> None:
-            loop = asyncio.new_event_loop()
-            asyncio.set_event_loop(loop)
-            self.loop = loop
-            loop.call_soon(ready.set)
-            loop.run_until_complete(server.serve(sockets=[sock]))
-
-        threading.Thread(target=serve, name="grpo-agent-endpoint", daemon=True).start()
-        ready.wait(30)
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if not server.started:
-            raise RuntimeError("the agent endpoint did not start within 30 s")
-        return sock.getsockname()[1]
+        ], "127.0.0.1", 0, "grpo-agent-endpoint")
+        return port
 
     def open(self, tokenizer: Any, sampling: Mapping[str, Any] | None) -> Session:
         sid = secrets.token_hex(8)
@@ -405,22 +386,12 @@ class Endpoint:
                                 "not_found_error")
         return session
 
-    @staticmethod
-    def _error(err: EndpointError):
-        from starlette.responses import JSONResponse
-
-        return JSONResponse({"error": {"message": err.message, "type": err.kind, "code": err.status}},
-                            status_code=err.status)
-
     async def _models(self, request):
-        from starlette.responses import JSONResponse
-
         try:
             self._session(request.path_params["sid"])
         except EndpointError as err:
-            return self._error(err)
-        return JSONResponse({"object": "list", "data": [{"id": SERVED_MODEL, "object": "model",
-                                                         "owned_by": "grpo"}]})
+            return error_response(err)
+        return models_response(SERVED_MODEL)
 
     async def _chat(self, request):
         return await self._serve(request, chat=True)
@@ -433,51 +404,136 @@ class Endpoint:
 
         try:
             session = self._session(request.path_params["sid"])
-            try:
-                body = await request.json()
-            except ValueError:
-                raise EndpointError(400, "the request body is not JSON") from None
-            model = body.get("model")
-            if model != SERVED_MODEL:
-                raise EndpointError(404, f"model {model!r} does not exist; this endpoint serves {SERVED_MODEL!r}",
-                                    "not_found_error")
+            body = await read_body(request)
+            check_model(body, SERVED_MODEL)
             check_sampling(body, session.sampling)
-            stop = body.get("stop") or ()
-            stop = (stop,) if isinstance(stop, str) else tuple(stop)
-            max_tokens = body.get("max_completion_tokens" if chat and "max_completion_tokens" in body
-                                  else "max_tokens")
-            if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-                raise EndpointError(400, f"max_tokens={max_tokens!r}: a positive integer (capped by the episode's "
-                                         "tokens left)")
-            if body.get("stream"):
-                raise EndpointError(400, "stream=true is not served: each call returns whole")
-            loop = asyncio.get_running_loop()
-            future: asyncio.Future = loop.create_future()
-
-            def answer(value: dict[str, Any] | EndpointError) -> None:
-                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(value))
-
+            call = parse_call(body, chat, "capped by the episode's tokens left")
+            answer, future = answer_future()
             if chat:
-                messages = body.get("messages")
-                if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-                    raise EndpointError(400, "messages: a non-empty list of messages")
-                tools = body.get("tools") or None
-                session.submit_chat([normalise_message(m) for m in messages], tools, stop, max_tokens,
-                                    bool(body.get("logprobs")), answer)
+                session.submit_chat(call.messages, call.tools, call.stop, call.max_tokens, call.want_logprobs,
+                                    answer)
             else:
-                prompt = body.get("prompt")
-                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                    prompt = prompt[0]
-                if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                                    and all(isinstance(t, int) for t in prompt))):
-                    raise EndpointError(400, "prompt: one string or one list of token ids")
-                session.submit(prompt, stop, max_tokens, body.get("logprobs") is not None, answer)
+                session.submit(call.prompt, call.stop, call.max_tokens, call.want_logprobs, answer)
             value = await future
         except EndpointError as err:
-            return self._error(err)
-        if isinstance(value, EndpointError):
-            return self._error(value)
-        return JSONResponse(value)
+            return error_response(err)
+        return JSONResponse(value) if not isinstance(value, EndpointError) else error_response(value)
+
+
+def start_server(routes: list, host: str, port: int, name: str) -> tuple[Any, int]:
+    """A Starlette app of ``routes`` served by uvicorn in a daemon thread on ``host:port`` (0: a free one), once it
+    listens: the server and its port. The agent endpoint's and ``grpo serve-model``'s."""
+    import uvicorn
+    from starlette.applications import Starlette
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # accepted connections inherit it: a response's header and body writes go out at once, not 40 ms apart
+    # (Nagle's algorithm waiting on the client's delayed ACK, one call in 40 ms a connection)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.listen(4096)  # a round's agents connect at once: a short queue drops connections (retried after 1 s)
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=routes), log_level="warning", access_log=False,
+                                           lifespan="off", timeout_keep_alive=600, backlog=4096))
+
+    def serve() -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(server.serve(sockets=[sock]))
+
+    threading.Thread(target=serve, name=name, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not server.started:
+        raise RuntimeError(f"{name} did not start within 30 s")
+    return server, sock.getsockname()[1]
+
+
+@dataclass
+class Request:
+    """A call's request body, checked: ``prompt`` (a completion's: text or ids) or ``messages`` and ``tools`` (a
+    chat's, normalised), ``stop``, ``max_tokens`` (None: unset), ``want_logprobs``."""
+
+    prompt: str | list[int] | None
+    messages: list[dict[str, Any]] | None
+    tools: list[dict[str, Any]] | None
+    stop: tuple[str, ...]
+    max_tokens: int | None
+    want_logprobs: bool
+
+
+async def read_body(request: Any) -> dict[str, Any]:
+    """A request's JSON object; anything else is a 400."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise EndpointError(400, "the request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise EndpointError(400, "the request body is not a JSON object")
+    return body
+
+
+def check_model(body: Mapping[str, Any], served: str) -> None:
+    """Refuse (404) a call for another model than ``served``."""
+    model = body.get("model")
+    if model != served:
+        raise EndpointError(404, f"model {model!r} does not exist; this endpoint serves {served!r}",
+                            "not_found_error")
+
+
+def parse_call(body: Mapping[str, Any], chat: bool, max_tokens_cap: str) -> Request:
+    """The parts of a completion (``chat`` False) or chat completion request every server reads alike; a malformed
+    one is a 400 (``max_tokens_cap`` says what caps ``max_tokens`` in its message). Sampling parameters and the
+    model name are each server's to check."""
+    stop = body.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) for s in stop):
+        raise EndpointError(400, f"stop={body.get('stop')!r}: a string or a list of strings")
+    max_tokens = body.get("max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise EndpointError(400, f"max_tokens={max_tokens!r}: a positive integer ({max_tokens_cap})")
+    if body.get("stream"):
+        raise EndpointError(400, "stream=true is not served: each call returns whole")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise EndpointError(400, "messages: a non-empty list of messages")
+        return Request(None, [normalise_message(m) for m in messages], body.get("tools") or None, stop, max_tokens,
+                       bool(body.get("logprobs")))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                        and all(isinstance(t, int) for t in prompt))):
+        raise EndpointError(400, "prompt: one string or one list of token ids")
+    return Request(prompt, None, None, stop, max_tokens, body.get("logprobs") is not None)
+
+
+def answer_future() -> tuple[Callable[[dict[str, Any] | EndpointError], None], asyncio.Future]:
+    """A call's answer callback (any thread may call it) and the future the server's handler awaits it on."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def answer(value: dict[str, Any] | EndpointError) -> None:
+        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(value))
+
+    return answer, future
+
+
+def error_response(err: EndpointError) -> Any:
+    """A refused call as OpenAI answers one: ``{"error": {message, type, code}}`` with its HTTP status."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": err.message, "type": err.kind, "code": err.status}},
+                        status_code=err.status)
+
+
+def models_response(served: str) -> Any:
+    """``GET /models``: the one model served."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"object": "list", "data": [{"id": served, "object": "model", "owned_by": "grpo"}]})
 
 
 _ENDPOINT: Endpoint | None = None
@@ -493,5 +549,6 @@ def endpoint() -> Endpoint:
         return _ENDPOINT
 
 
-__all__ = ["SERVED_MODEL", "Call", "Endpoint", "EndpointError", "Session", "check_sampling", "endpoint",
-           "normalise_message", "sampling_params", "set_chat_parser"]
+__all__ = ["SERVED_MODEL", "Call", "Endpoint", "EndpointError", "Request", "Session", "answer_future", "chat_body",
+           "check_model", "check_sampling", "completion_body", "endpoint", "error_response", "models_response",
+           "normalise_message", "parse_call", "read_body", "sampling_params", "set_chat_parser", "start_server"]

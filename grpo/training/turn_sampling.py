@@ -41,7 +41,8 @@ class TurnStop(StoppingCriteria):
     budget left, when the rows of a turn have different ones). ``ends[i]`` is then the number of ids row ``i``
     generated, the token that completed the stop included (the shortest prefix holding a stop: where the episode
     runner cuts the turn). A row is never stopped at an end-of-sequence token here (``generate``'s ``eos_token_id``
-    does that); ``eos_token_ids`` only spares decoding it after one.
+    does that); ``eos_token_ids`` only spares decoding it after one. ``row_stops`` gives each row its own stop strings
+    instead (``grpo serve-model`` batches calls that each name theirs).
 
     Cheap per step: only rows still running are decoded, and only their last ids (the longest stop's characters plus
     :data:`TAIL_MARGIN`), since a new stop must end in the newest token; a hit is confirmed on the row's whole text,
@@ -49,10 +50,12 @@ class TurnStop(StoppingCriteria):
     vocabulary with text the tiny character tokenizer cannot encode."""
 
     def __init__(self, tokenizer: Any, stops: Sequence[str], start: int, limits: Sequence[int],
-                 eos_token_ids: Sequence[int] = ()) -> None:
+                 eos_token_ids: Sequence[int] = (), row_stops: Sequence[Sequence[str]] | None = None) -> None:
         self.tokenizer, self.stops, self.start = tokenizer, tuple(s for s in stops if s), start
         self.limits = list(limits)
-        self.window = max(map(len, self.stops), default=0) + TAIL_MARGIN
+        self.row_stops = [tuple(s for s in row if s) for row in row_stops] if row_stops is not None else None
+        every = self.stops if self.row_stops is None else tuple(s for row in self.row_stops for s in row)
+        self.window = max(map(len, every), default=0) + TAIL_MARGIN
         self.eos = set(eos_token_ids)
         self.ends: list[int | None] = [None] * len(self.limits)
         self._running = list(range(len(self.limits)))
@@ -64,13 +67,13 @@ class TurnStop(StoppingCriteria):
         generated = input_ids.shape[1] - self.start
         if self._running and generated > 0:
             tails = input_ids[self._running, -min(self.window, generated):].tolist()
-            if self.stops:
+            if self.window > TAIL_MARGIN:
                 texts = self._decode(tails)
-                hits = [i for i, t in zip(self._running, texts) if any(s in t for s in self.stops)]
+                hits = [i for i, t in zip(self._running, texts) if any(s in t for s in self._stops(i))]
                 if hits:
                     whole = self._decode(input_ids[hits, self.start:].tolist())
                     for i, t in zip(hits, whole):
-                        if any(s in t for s in self.stops):
+                        if any(s in t for s in self._stops(i)):
                             self.ends[i] = generated
             for i in self._running:
                 if self.ends[i] is None and generated >= self.limits[i]:
@@ -78,6 +81,9 @@ class TurnStop(StoppingCriteria):
             self._running = [i for i, tail in zip(self._running, tails)
                              if self.ends[i] is None and tail[-1] not in self.eos]
         return torch.tensor([e is not None for e in self.ends], dtype=torch.bool, device=input_ids.device)
+
+    def _stops(self, row: int) -> tuple[str, ...]:
+        return self.stops if self.row_stops is None else self.row_stops[row]
 
     @classmethod
     def needed(cls, tokenizer: Any, stops: Sequence[str], start: int, limits: Sequence[int],
