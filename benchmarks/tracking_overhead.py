@@ -27,7 +27,7 @@ timing, in a temporary ``GRPO_CACHE_DIR`` shared by all rounds.
 
 Environment: ``BENCH_STEPS`` (60), ``BENCH_ROUNDS`` (3), ``BENCH_PIPELINE_ROUNDS`` (3; 0 skips part 2),
 ``BENCH_PROFILE`` (1: when the overhead misses the target, one more tracked run with cProfile on the tracker's work in
-the training thread and in the sender thread), ``BENCH_FLUSH_INTERVAL`` (1.0 s, the tracker's default) and
+the training thread and in the sender thread), ``BENCH_FLUSH_INTERVAL`` (the tracker's default, ``FLUSH_INTERVAL``) and
 ``BENCH_SYSTEM_METRICS`` (1) to try other tracker settings, ``BENCH_SEED_CACHE`` (1: copy an identical, already built
 warm start from ``$GRPO_CACHE_DIR`` or ``.cache/grpo`` into the temporary cache instead of rebuilding it).
 ``--smoke``: 3 steps of 64 completions, 1 round, no warm-up runs, no profile, a short warm start; 1 pipeline round
@@ -55,6 +55,7 @@ from unittest import mock
 
 from benchmarks._sizes import TINY_SMOKE_OVERRIDES, size
 from grpo.tracking.metric_keys import train_key
+from grpo.tracking.tracker import FLUSH_INTERVAL
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_PCT = 2.0
@@ -76,7 +77,7 @@ class Settings:
         return cls(steps=size("BENCH_STEPS", 60, 3, smoke), rounds=size("BENCH_ROUNDS", 3, 1, smoke),
                    pipeline_rounds=size("BENCH_PIPELINE_ROUNDS", 3, 1, smoke),
                    profile=size("BENCH_PROFILE", True, False, smoke),
-                   flush_interval=size("BENCH_FLUSH_INTERVAL", 1.0, 1.0, smoke),  # MlflowTracker's default
+                   flush_interval=size("BENCH_FLUSH_INTERVAL", FLUSH_INTERVAL, FLUSH_INTERVAL, smoke),
                    system_metrics=size("BENCH_SYSTEM_METRICS", True, True, smoke), smoke=smoke)
 
 
@@ -173,7 +174,7 @@ def _tracking_overhead(root: Path, opts: Settings) -> dict:
         if tracking:
             # The pipeline's own start: tracker from the config's tracking section, run with its params and tags.
             tracker = start_run_tracking(run_cfg, run)
-            tracker.flush_interval = opts.flush_interval  # read by the sender on every wait
+            tracker._spool.flush_interval = opts.flush_interval  # read by the sender on every wait
             run_id = tracker.run_id
             inner = tracker.log_metrics
 

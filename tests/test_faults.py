@@ -1,7 +1,7 @@
 """Faults a new user hits (issue #12): edited data, interrupted and corrupted runs, odd input, signals, secrets.
 
 Each test reproduces one reported failure against the real component (files, checkpoints, a real MLflow store, the
-CLI as a subprocess); the README's reliability table lists what each guarantees.
+CLI as a subprocess); docs/design.md's guarantees table lists what each guarantees.
 """
 
 from __future__ import annotations
@@ -112,6 +112,34 @@ def test_a_resume_before_the_first_checkpoint_logs_each_step_once(tmp_path):
         recorder.on_log(args, state, TrainerControl(), logs={"reward": 0.2})
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_metrics_jsonl_keeps_every_logged_point_when_the_process_is_killed(tmp_path):
+    """The recorder keeps metrics.jsonl open through the training: a training killed (SIGKILL: no cleanup, no
+    on_train_end, no flush at exit) right after logging still left every logged step in the file."""
+    import signal
+
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from grpo.training.train import MetricsRecorder
+
+    metrics = tmp_path / "metrics.jsonl"
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True)
+    pid = os.fork()
+    if pid == 0:  # the training process: log three steps, then die as a killed process does
+        try:
+            recorder, state = MetricsRecorder(metrics), TrainerState()
+            recorder.on_train_begin(args, state, TrainerControl())
+            for step in (1, 2, 3):
+                state.global_step = step
+                recorder.on_log(args, state, TrainerControl(), logs={"reward": step / 10, "loss": 0.5})
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(r["step"], r["metrics"]["reward"]) for r in rows] == [(1, 0.1), (2, 0.2), (3, 0.3)]
 
 
 def write_checkpoint(ckpt: Path, step: int) -> None:

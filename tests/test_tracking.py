@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -343,11 +344,20 @@ def test_embedded_sqlite_default(make_tracker, tmp_path, monkeypatch):
     tracker.log_metrics(wide, step=3)
     (tmp_path / "note.txt").write_text("hello")
     assert tracker.log_artifact(tmp_path / "note.txt")
-    assert tracker.close(timeout=10)
+    assert tracker.flush(timeout=10)
+    # A send to the in-process SQL store pauses the garbage collector; it leaves it as it found it, on or off.
+    assert gc.isenabled()
+    tracker.log_metrics({"loss": 0.1}, step=5)
+    gc.disable()
+    try:
+        assert tracker.close(timeout=10)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
     assert (tmp_path / "mlflow.db").is_file()
     client = MlflowClient(uri)
-    assert history_steps(client, run_id, "loss") == list(range(5))
+    assert history_steps(client, run_id, "loss") == list(range(6))
     assert history_steps(client, run_id, "train/aux/loss") == [2, 4, 6]
     # a sweep's --metric reads a trainer figure under either naming (runs logged before train/aux/ have train/loss)
     assert read_run_metric(client, run_id, "train/loss") == read_run_metric(client, run_id, "train/aux/loss") == 1 / 6
@@ -356,7 +366,7 @@ def test_embedded_sqlite_default(make_tracker, tmp_path, monkeypatch):
     # Resending a batch whose reply was lost is harmless: the SQL store ignores an exact (key, step, ts, value) repeat.
     point = client.get_metric_history(run_id, "loss")[0]
     client.log_batch(run_id, metrics=[point])
-    assert len(client.get_metric_history(run_id, "loss")) == 5
+    assert len(client.get_metric_history(run_id, "loss")) == 6
     assert client.get_run(run_id).data.params == {"model.name_or_path": "tiny"}
     assert (tmp_path / "mlartifacts" / "grpo-local" / run_id / "artifacts" / "note.txt").is_file()
 

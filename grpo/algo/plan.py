@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -476,10 +477,12 @@ def read_plan_indices(plan_path: str | Path, sp_group: int, start_round: int = 0
         raise ValueError(f"sp_group must be an integer in [0, {groups}) for this plan, got {sp_group!r}")
     if not _int_in(start_round, 0, rounds + 1):
         raise ValueError(f"start_round must be an integer in [0, {rounds}] for this plan, got {start_round!r}")
-    return _iter_indices(Path(plan_path), spec, int(sp_group), int(start_round))
+    # The sampler's consumer takes one index at a time: chain serves them from each round's list without resuming a
+    # Python generator per index.
+    return itertools.chain.from_iterable(_round_indices(Path(plan_path), spec, int(sp_group), int(start_round)))
 
 
-def _iter_indices(plan_path: Path, spec: dict[str, Any], sp_group: int, start_round: int) -> Iterator[int]:
+def _round_indices(plan_path: Path, spec: dict[str, Any], sp_group: int, start_round: int) -> Iterator[list[int]]:
     gen, b = spec["num_generations"], spec["prompts_per_sp_group"]
     repeat = spec["num_iterations"] * spec["steps_per_generation"]
     pf = pq.ParquetFile(plan_path)
@@ -491,7 +494,7 @@ def _iter_indices(plan_path: Path, spec: dict[str, Any], sp_group: int, start_ro
         table = pf.read_row_group(i, columns=["round", "sp_group", "prompt_index"])
         keep = (table.column("sp_group").to_numpy() == sp_group) & (table.column("round").to_numpy() >= start_round)
         for batch in table.column("prompt_index").to_numpy()[keep].reshape(-1, b):
-            yield from np.tile(np.repeat(batch, gen), repeat).tolist()
+            yield np.tile(np.repeat(batch, gen), repeat).tolist()
 
 
 class PlanSampler(Sampler[int]):

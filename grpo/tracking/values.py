@@ -48,6 +48,10 @@ def numeric_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     are left out. The one place metric values are cleaned (every logging path goes through the tracker)."""
     clean: dict[str, float] = {}
     for key, value in metrics.items():
+        if type(value) is float or type(value) is int:  # the trainer's logs: no ABC check per value on every step
+            if value == value:
+                clean[key] = float(value)
+            continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             if not (hasattr(value, "item") and getattr(value, "ndim", 1) == 0):
                 continue

@@ -56,10 +56,16 @@ class StopAtStepEnd(TrainerCallback):
     def __init__(self) -> None:
         self.signum: int | None = None
         self.stopped_by_another_rank = False
+        self._several_ranks: bool | None = None  # a launch's constant: looked up at the first step end only
 
     def on_step_end(self, args, state, control, **kwargs):
         here = self.signum is not None or _STOP_REQUESTED.is_set()
-        if _any_rank(here, args.device) or here:
+        if self._several_ranks is None:
+            self._several_ranks = _several_ranks()
+        # Every rank all-reduces at every step end, its own flag set or not (a rank that skipped it would hang the
+        # others); a single process just reads its flag.
+        anywhere = _any_rank(here, args.device) if self._several_ranks else here
+        if anywhere or here:
             self.stopped_by_another_rank = not here
             control.should_log = True  # the steps since the last logging_steps multiple, which resume will not re-run
             control.should_save = True
@@ -67,14 +73,18 @@ class StopAtStepEnd(TrainerCallback):
         return control
 
 
-def _any_rank(flag: bool, device) -> bool:
-    """Whether ``flag`` is set on any rank: one all-reduce of one number at the step end, on every rank alike (so the
-    ranks stop at the same step); the flag itself on a single process."""
+def _several_ranks() -> bool:
+    """Whether this process is one of several in an initialised process group (the step end's all-reduce is needed)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _any_rank(flag: bool, device) -> bool:
+    """Whether ``flag`` is set on any rank of several: one all-reduce of one number at the step end, on every rank
+    alike (so the ranks stop at the same step)."""
     import torch
+    import torch.distributed as dist
 
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -196,8 +196,10 @@ class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndRe
     @property
     def batch_layout(self) -> BatchLayout:
         """The batch layout of this trainer: TRL's resolved arguments and the launched processes (the same numbers
-        as ``experiment.batch_layout`` when the launch matches the config, which ``__init__`` checks)."""
-        return BatchLayout.derive(
+        as ``experiment.batch_layout`` when the launch matches the config, which ``__init__`` checks).
+
+        Read at every micro-step: derived again only when one of its inputs changed."""
+        inputs = dict(
             world_size=self.accelerator.num_processes,
             sequence_parallel_degree=self.experiment.sampling.sequence_parallel_degree if self.experiment else 1,
             per_device_train_batch_size=self.args.per_device_train_batch_size,
@@ -206,6 +208,10 @@ class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndRe
             num_iterations=self.num_iterations,
             steps_per_generation=self.args.steps_per_generation,
         )
+        cached = getattr(self, "_batch_layout_of", None)
+        if cached is None or cached[0] != inputs:
+            cached = self._batch_layout_of = (inputs, BatchLayout.derive(**inputs))
+        return cached[1]
 
     @property
     def prompts_per_rank_per_generation(self) -> int:
