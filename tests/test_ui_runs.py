@@ -466,8 +466,8 @@ def test_an_environment_preset_from_the_form_trains_on_episodes_and_its_summary_
     form_property(page, "Steps").locator("input").fill("100")  # the warm start's
     open_section(page, "Environments and tools")
     environment = form_property(page, "Name (Environments and tools)")
-    assert open_select(page, environment) == [  # the built-ins: registered
-        "calculator", "guess_digit", "openenv", "tool_use"]
+    assert open_select(page, environment) == [  # the built-ins: registered (`agent` runs environment.agent's agent)
+        "agent", "calculator", "guess_digit", "openenv", "tool_use"]
     page.keyboard.press("Escape")
     assert "tiny-calculator: calculator" in environment.inner_text()  # the presets' values in its help
     assert open_select(page, form_property(page, "Tools")) == ["calculator"]
