@@ -20,6 +20,7 @@ import os
 import time
 
 from benchmarks._sizes import size
+from benchmarks._tool_task import tool_task
 
 _SETTINGS: dict[str, float] = {}
 
@@ -50,27 +51,13 @@ def main(smoke: bool = False) -> dict:
     from grpo.environments.endpoint import sampling_params
     from grpo.environments.episodes import run_episodes
     from grpo.training.async_producer import sample_round
-    from grpo.training.tiny_model import build_char_tokenizer, build_tiny_qwen2
 
     _SETTINGS.update(turns=turns, tool_s=tool_s)
     if "bench_agent" not in AGENTS.names():
         AGENTS.register("bench_agent")(bench_agent)
-    tok = build_char_tokenizer("0123456789+=[]|()kv:<>")
-    model = build_tiny_qwen2(tok, 128, 3, 4, 256, 256, seed=0).eval()
-    gen = {"eos_token_ids": [tok.eos_token_id], "pad_token_id": tok.pad_token_id, "max_new_tokens": gen_tokens,
-           "temperature": 1.0, "top_p": 1.0, "top_k": 0, "shared_prompt": False}
-    call = tok("[k]", add_special_tokens=False)["input_ids"]
-    k_id = call[1]
-    answer = tok("v", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-
-    def lookup(key: str) -> str:
-        """A slow tool: a remote call's latency.
-
-        Args:
-            key: what to look up
-        """
-        time.sleep(tool_s)
-        return "v"
+    task = tool_task(gen_tokens, tool_s)
+    tok, model, gen, call, k_id, answer, lookup = (task.tokenizer, task.model, task.gen, task.call, task.k_id,
+                                                   task.answer, task.lookup)
 
     def run(agents: bool) -> tuple[float, float, int, list]:
         generate_s, calls = 0.0, 0

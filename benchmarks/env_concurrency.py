@@ -25,6 +25,7 @@ import os
 import time
 
 from benchmarks._sizes import size
+from benchmarks._tool_task import tool_task
 
 
 def main(smoke: bool = False) -> dict:
@@ -43,24 +44,10 @@ def main(smoke: bool = False) -> dict:
     from grpo.environments.builtin import GuessDigitEnvironment
     from grpo.environments.episodes import run_episodes
     from grpo.training.async_producer import sample_round, sampling_generate
-    from grpo.training.tiny_model import build_char_tokenizer, build_tiny_qwen2
 
-    tok = build_char_tokenizer("0123456789+=[]|()kv:<>")
-    model = build_tiny_qwen2(tok, 128, 3, 4, 256, 256, seed=0).eval()
-    gen = {"eos_token_ids": [tok.eos_token_id], "pad_token_id": tok.pad_token_id, "max_new_tokens": gen_tokens,
-           "temperature": 1.0, "top_p": 1.0, "top_k": 0, "shared_prompt": False}
-    call = tok("[k]", add_special_tokens=False)["input_ids"]
-    k_id = call[1]
-    answer = tok("v", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-
-    def lookup(key: str) -> str:
-        """A slow tool: a remote call's latency.
-
-        Args:
-            key: what to look up
-        """
-        time.sleep(tool_s)
-        return "v"
+    task = tool_task(gen_tokens, tool_s)
+    tok, model, gen, call, k_id, answer, lookup = (task.tokenizer, task.model, task.gen, task.call, task.k_id,
+                                                   task.answer, task.lookup)
 
     def run(max_workers: int) -> tuple[float, float, list]:
         generate_s = 0.0

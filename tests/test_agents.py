@@ -214,18 +214,11 @@ def test_the_sync_and_generator_process_paths_train_on_the_same_agent_episodes(t
     this process) and the async trainer's (the agent and the endpoint in the CPU generator process) are the same
     for the same seed, token for token; in the trainer's batch the agent's appended text is environment tokens,
     whose per-token log-probs get exactly zero gradient, and the episode metrics are logged."""
-    from tests.test_async_episodes import ASYNC, batch_of
+    from tests.test_async_episodes import ASYNC, sync_episodes_of_first_batch
     from tests.trainers import logp_gradient, micro_trainer
 
     sync = micro_trainer(tmp_path / "sync", AGENT_TRAINER)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)  # the generator's (async.generator_threads)
-        torch.manual_seed(sync.args.seed)
-        prompt_ids, rows = batch_of(sync, 0)
-        expected = sync._episodes_for(prompt_ids, rows)
-    finally:
-        torch.set_num_threads(threads)
+    prompt_ids, rows, expected = sync_episodes_of_first_batch(sync)
     trainer = micro_trainer(tmp_path / "async", {**AGENT_TRAINER, **ASYNC})
     try:
         got = trainer._episodes_for(prompt_ids, rows)

@@ -187,6 +187,19 @@ def batch_of(trainer, first: int) -> tuple[list[list[int]], list[dict]]:
     return trainer._tokenize_prompts([r["prompt"] for r in rows])[0], rows
 
 
+def sync_episodes_of_first_batch(sync) -> tuple[list[list[int]], list[dict], list]:
+    """The sync trainer's episodes for its first batch, sampled on one thread (the generator's,
+    ``async.generator_threads``) from its seed: what the generator process must make for the same batch."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(sync.args.seed)
+        ids, rows = batch_of(sync, 0)
+        return ids, rows, sync._episodes_for(ids, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def model_logprobs(policy, ep) -> list[float]:
     """The policy's log-prob of each completion token, one forward over prompt + completion (temperature 1)."""
     ids = torch.tensor([ep.prompt_ids + ep.completion_ids])
@@ -207,14 +220,7 @@ def test_sync_and_async_trainers_sample_identical_episodes_for_the_same_seed(tmp
         return environment_trainer(path, **{"grpo.max_completion_length": 48, **extra})
 
     sync = make_trainer(tmp_path / "sync")
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)  # the generator's (async.generator_threads)
-        torch.manual_seed(sync.args.seed)
-        ids, rows = batch_of(sync, 0)
-        expected = sync._episodes_for(ids, rows)
-    finally:
-        torch.set_num_threads(threads)
+    ids, rows, expected = sync_episodes_of_first_batch(sync)
     trainer = make_trainer(tmp_path / "async", **ASYNC)
     try:
         got = trainer._episodes_for(ids, rows)

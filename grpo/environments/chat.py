@@ -31,29 +31,29 @@ def tool_suffix_text(tokenizer: Any, tool_messages: Sequence[Mapping[str, Any]])
     """What the chat template writes after an assistant turn (ended by its end-of-turn token) for ``tool_messages``,
     up to the next assistant header: TRL's ``_get_tool_suffix_ids``, as text."""
     calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
-    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
-    prefix = tokenizer.apply_chat_template(dummy, add_generation_prompt=False, tokenize=False)
-    full = tokenizer.apply_chat_template(dummy + list(tool_messages), add_generation_prompt=True, tokenize=False)
-    eos = tokenizer.eos_token
-    if eos and eos in prefix:
-        prefix = prefix[: prefix.rindex(eos) + len(eos)]
-    if not full.startswith(prefix):
-        raise ValueError("the chat template renders an assistant turn differently with tool messages after it")
-    return full[len(prefix):]
+    return _after_assistant_turn(tokenizer, {"role": "assistant", "content": "", "tool_calls": calls}, tool_messages,
+                                 {}, "tool messages")
 
 
 def turn_suffix_text(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None) -> str:
     """What the chat template writes after an assistant turn (ended by its end-of-turn token) for ``messages`` (tool
     results, a user's next message), through the next assistant header: :func:`tool_suffix_text` for any messages."""
     extra = {"tools": list(tools)} if tools else {}
-    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"}]
+    return _after_assistant_turn(tokenizer, {"role": "assistant", "content": "dummy"}, messages, extra, "messages")
+
+
+def _after_assistant_turn(tokenizer: Any, assistant: Mapping[str, Any], messages: Sequence[Mapping[str, Any]],
+                          extra: dict[str, Any], what: str) -> str:
+    """The text the chat template writes for ``messages`` after a dummy user turn and ``assistant`` (cut after its
+    end-of-turn token), through the next assistant header."""
+    dummy = [{"role": "user", "content": "dummy"}, dict(assistant)]
     prefix = tokenizer.apply_chat_template(dummy, add_generation_prompt=False, tokenize=False, **extra)
     full = tokenizer.apply_chat_template(dummy + list(messages), add_generation_prompt=True, tokenize=False, **extra)
     eos = tokenizer.eos_token
     if eos and eos in prefix:
         prefix = prefix[: prefix.rindex(eos) + len(eos)]
     if not full.startswith(prefix):
-        raise ValueError("the chat template renders an assistant turn differently with messages after it")
+        raise ValueError(f"the chat template renders an assistant turn differently with {what} after it")
     return full[len(prefix):]
 
 

@@ -123,15 +123,18 @@ class Session:
 
     # ---- the server's side
 
+    def _check_accepting(self) -> None:
+        """409 for a call after the episode ended or while another call of it waits (under ``cv``)."""
+        if self.ended:
+            raise EndpointError(409, f"session {self.id}: its episode has ended; no more calls are served", "conflict")
+        if self.pending is not None or self.current is not None:
+            raise EndpointError(409, f"session {self.id}: a call is already waiting; an episode's calls are made "
+                                     "one at a time", "conflict")
+
     def submit(self, prompt: str | list[int], stop: tuple[str, ...], max_tokens: int | None, want_logprobs: bool,
                answer: Callable[[dict[str, Any] | EndpointError], None]) -> None:
         with self.cv:
-            if self.ended:
-                raise EndpointError(409, f"session {self.id}: its episode has ended; no more calls are served",
-                                    "conflict")
-            if self.pending is not None or self.current is not None:
-                raise EndpointError(409, f"session {self.id}: a call is already waiting; an episode's calls are "
-                                         "made one at a time", "conflict")
+            self._check_accepting()
             if self.messages is not None:
                 self._rewrote()  # a completion after chat calls: no text to extend
             if isinstance(prompt, str):
@@ -164,12 +167,7 @@ class Session:
         from grpo.environments.chat import turn_suffix_text
 
         with self.cv:
-            if self.ended:
-                raise EndpointError(409, f"session {self.id}: its episode has ended; no more calls are served",
-                                    "conflict")
-            if self.pending is not None or self.current is not None:
-                raise EndpointError(409, f"session {self.id}: a call is already waiting; an episode's calls are "
-                                         "made one at a time", "conflict")
+            self._check_accepting()
             if self.text is not None and self.messages is None:
                 self._rewrote()  # a chat call after completions: no conversation to extend
             if self.messages is None:

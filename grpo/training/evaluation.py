@@ -138,7 +138,7 @@ def episode_generator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     ``batch_size`` sequences, each row stopped at its turn's stop strings, the end-of-sequence token or its budget,
     greedy or sampled (each batch under :func:`~grpo.training.turn_sampling.turn_random_state`, so where a batch
     stops does not move what the next one samples); no log-probs (evaluation needs none)."""
-    from grpo.training.turn_sampling import TurnStop, trim, turn_random_state
+    from grpo.training.turn_sampling import TurnStop, left_padded, trim, turn_random_state
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id
@@ -149,12 +149,8 @@ def episode_generator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         out: list[tuple[list[int], None]] = []
         for start in range(0, len(sequences), batch_size):
             batch, limits = sequences[start : start + batch_size], list(max_new_tokens[start : start + batch_size])
-            width = max(map(len, batch))
-            ids = torch.full((len(batch), width), pad)
-            mask = torch.zeros_like(ids)
-            for i, seq in enumerate(batch):  # left padding, as the trainer generates
-                ids[i, width - len(seq):] = torch.tensor(seq)
-                mask[i, width - len(seq):] = 1
+            ids, mask = left_padded(batch, pad)
+            width = ids.shape[1]
             stop = TurnStop.needed(tokenizer, stops, width, limits, [eos])
             with turn_random_state(model.device) if do_sample else contextlib.nullcontext():
                 gen = model.generate(

@@ -45,7 +45,7 @@ from grpo.environments.endpoint import (
 from grpo.errors import ConfigError
 from grpo.training.model_support import GENERATION_KV_CACHE, applies
 from grpo.training.tiny_model import load_tokenizer_from
-from grpo.training.turn_sampling import TurnStop, trim
+from grpo.training.turn_sampling import TurnStop, left_padded, trim
 
 GATHER_SECONDS = 0.005
 """How long the batcher waits after the first call of a batch for others to join it."""
@@ -234,12 +234,8 @@ class ModelServer:
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
         prompts = [job.call.prompt_ids for job in jobs]
         limits = [job.call.max_tokens for job in jobs]
-        width = max(map(len, prompts))
-        ids = torch.full((len(prompts), width), pad)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left padding, as the trainer generates
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+        ids, mask = left_padded(prompts, pad)
+        width = ids.shape[1]
         stops = [job.call.stop for job in jobs]
         stop = TurnStop(tok, (), width, limits, eos, row_stops=stops) if any(stops) or len(set(limits)) > 1 \
             else None
