@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -66,6 +67,14 @@ HANG_BOUND = 900  # seconds: a bound on a hung server or worker, not a speed req
 CRASH_BOUND = 300
 
 
+def isolated_env(team_env: dict[str, str], home: Path, cache: Path, reward: Path) -> dict[str, str]:
+    """A machine's environment: none of this process's Prefect, MLflow or platform settings, only team.env's, its
+    own HOME, PREFECT_HOME and cache, and its reward module."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "GRPO_"))}
+    return {**clean, **team_env, "HOME": str(home), "PREFECT_HOME": str(home / ".prefect"),
+            "GRPO_CACHE_DIR": str(cache), "GRPO_REWARD_MODULES": str(reward), "HF_HUB_OFFLINE": "1"}
+
+
 class Machine:
     """A worker's machine: its own folders, its reward module, its ``prefect worker`` process."""
 
@@ -76,20 +85,19 @@ class Machine:
             folder.mkdir(parents=True, exist_ok=True)
         (self.root / "reward.py").write_text(GATED_REWARD)
         self.gate = self.root / "gate"
-        clean = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "GRPO_"))}
-        self.env = {**clean, **team_env, "HOME": str(self.home), "PREFECT_HOME": str(self.home / ".prefect"),
-                    "GRPO_CACHE_DIR": str(self.cache), "GRPO_REWARD_MODULES": str(self.root / "reward.py"),
-                    "GRPO_TEST_GATE": str(self.gate), "HF_HUB_OFFLINE": "1"}
+        self.env = {**isolated_env(team_env, self.home, self.cache, self.root / "reward.py"),
+                    "GRPO_TEST_GATE": str(self.gate)}
         self.proc: subprocess.Popen | None = None
 
-    def start(self, gate_open: bool = False, limit: int = 1) -> Machine:
+    def start(self, gate_open: bool = False, limit: int | None = 1, pool: str = "cpu-pool") -> Machine:
         if gate_open:
             self.gate.touch()
         else:
             self.gate.unlink(missing_ok=True)
+        limited = ["--limit", str(limit)] if limit is not None else []
         with (self.root / "worker.log").open("a") as log:
-            self.proc = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "cpu-pool", "--limit",
-                                          str(limit), "--name", self.name], cwd=self.work, env=self.env,
+            self.proc = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", pool, *limited,
+                                          "--name", self.name], cwd=self.work, env=self.env,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
@@ -146,27 +154,31 @@ def wait_until(check, what: str, logs, bound: float = HANG_BOUND) -> None:
         time.sleep(1)
 
 
-def start_sweep(setup, laptop: Path, name: str, grid: list[float], max_concurrency: int = 2) -> subprocess.Popen:
-    """``grpo sweep --deployment grpo-pipeline/default`` from the laptop (team.env and its own reward module)."""
+@contextlib.contextmanager
+def running_sweep(setup, laptop: Path, name: str, grid: list[float],
+                  max_concurrency: int = 2) -> Iterator[subprocess.Popen]:
+    """``grpo sweep --deployment grpo-pipeline/default`` from the laptop (team.env and its own reward module),
+    SIGKILLed with its process group if it is still running when the block ends."""
     laptop.mkdir(parents=True, exist_ok=True)
     (laptop / "reward.py").write_text(GATED_REWARD)
     (laptop / "space.yaml").write_text(f"sampler: grid\nparams:\n  grpo.learning_rate: {grid}\n")
     sets = [*micro_overrides(laptop / "runs"), *TRIAL_SETS, f"tracking.experiment_name={name}"]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "GRPO_"))}
-    env = {**clean, **setup.env, "HOME": str(laptop), "PREFECT_HOME": str(laptop / ".prefect"),
-           "GRPO_CACHE_DIR": str(laptop / "cache"), "GRPO_REWARD_MODULES": str(laptop / "reward.py"),
-           "HF_HUB_OFFLINE": "1"}
+    env = isolated_env(setup.env, laptop, laptop / "cache", laptop / "reward.py")
     out = (laptop / "sweep.log").open("w")
     command = [str(BIN / "grpo"), "sweep", "--config", str(MICRO), "--space", str(laptop / "space.yaml"), "--name",
                name, "--deployment", "grpo-pipeline/default", "--max-concurrency", str(max_concurrency)]
-    return subprocess.Popen([*command, *(a for s in sets for a in ("--set", s))], cwd=laptop, env=env, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    sweep = subprocess.Popen([*command, *(a for s in sets for a in ("--set", s))], cwd=laptop, env=env, stdout=out,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield sweep
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
 
 
 def test_a_sweep_runs_its_trials_on_two_workers_at_once(team, machines, tmp_path, monkeypatch):  # noqa: F811
     laptop = tmp_path / "laptop"
-    sweep = start_sweep(team, laptop, "two", [1.0e-4, 3.0e-4])
-    try:
+    with running_sweep(team, laptop, "two", [1.0e-4, 3.0e-4]) as sweep:
         for machine in machines:
             machine.start()
 
@@ -178,9 +190,6 @@ def test_a_sweep_runs_its_trials_on_two_workers_at_once(team, machines, tmp_path
         for machine in machines:
             machine.gate.touch()
         assert sweep.wait(timeout=HANG_BOUND) == 0, logs()
-    finally:
-        if sweep.poll() is None:
-            os.killpg(sweep.pid, signal.SIGKILL)
     out = (laptop / "sweep.log").read_text()
 
     trials = flow_runs_named(team, "two-t")
@@ -228,8 +237,7 @@ def test_a_worker_killed_mid_trial_crashes_its_run_and_the_sweep_goes_on(team, m
 
     machine = machines[0]
     laptop = tmp_path / "laptop"
-    sweep = start_sweep(team, laptop, "lost", [1.0e-4, 3.0e-4], max_concurrency=1)
-    try:
+    with running_sweep(team, laptop, "lost", [1.0e-4, 3.0e-4], max_concurrency=1) as sweep:
         machine.start()
 
         def logs() -> str:
@@ -246,9 +254,6 @@ def test_a_worker_killed_mid_trial_crashes_its_run_and_the_sweep_goes_on(team, m
         wait_until(lambda: "lost-t001" in flow_runs_named(team, "lost-t"), "the next trial submitted", logs)
         machine.start(gate_open=True)  # the machine is back: its worker takes the next trial
         assert sweep.wait(timeout=HANG_BOUND) == 0, logs()
-    finally:
-        if sweep.poll() is None:
-            os.killpg(sweep.pid, signal.SIGKILL)
     out = (laptop / "sweep.log").read_text()
 
     trials = flow_runs_named(team, "lost-t")
@@ -348,16 +353,8 @@ def test_the_gpu_pool_runs_a_pipeline_with_the_workers_own_environment(team, tmp
     assert created.status_code == 201, created.text
     flow_run_id = created.json()["id"]
     try:
-        with (machine.root / "worker.log").open("a") as log:
-            machine.proc = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "gpu-pool",
-                                             "--name", machine.name], cwd=machine.work, env=machine.env, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
-
-        def state() -> str:
-            return team.prefect("GET", f"flow_runs/{flow_run_id}").json()["state_type"]
-
-        wait_until(lambda: state() in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"), "the run ended", machine.log)
-        assert state() == "COMPLETED", machine.log()
+        machine.start(gate_open=True, limit=None, pool="gpu-pool")  # its run does not use the gated reward
+        assert final_state(team, flow_run_id, machine.log) == "COMPLETED", machine.log()
     finally:
         machine.stop()
     seen = json.loads((machine.home / "env-seen.json").read_text())

@@ -280,7 +280,7 @@ def serve(deployments: list, limit: int | None = 1, echo=print) -> None:
         pass
     finally:
         signal.signal(signal.SIGTERM, on_sigterm)  # the runner's handler needs its loop, which has ended
-        pause_served(deployments)
+        pause_served(deployments, url)
 
 
 class _ServerGoneNoise(logging.Filter):
@@ -326,6 +326,11 @@ def server_listens(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def _gone(url: str) -> str:
+    return (f"the Prefect server at {url} is gone: serving stops now, its schedules not paused (pause them in the "
+            "Prefect UI once it is back)")
+
+
 def _stop_now(why: str, code: int, echo) -> None:
     """End ``grpo serve`` at once: its flow runs (subprocesses) are interrupted as Ctrl-C interrupts them (they
     checkpoint), and the process exits without the runner's shutdown, whose calls to a gone server would each be
@@ -364,8 +369,7 @@ async def _serve_until_interrupted(runner, url: str, echo) -> None:
             _stop_now("second Ctrl-C: serving stops now; if the schedules still run, pause them in the Prefect UI",
                       130, echo)
         if not server_listens(url):
-            _stop_now(f"the Prefect server at {url} is gone: serving stops now, its schedules not paused (pause "
-                      "them in the Prefect UI once it is back)", 130, echo)
+            _stop_now(_gone(url), 130, echo)
         echo("stopping: pausing the schedules and stopping the runs in progress (Ctrl-C again stops at once)")
         main.cancel()
 
@@ -406,8 +410,7 @@ def _runner(limit: int | None, url: str | None = None, echo=print):
             if not self.started:  # still starting, or a second SIGTERM while stopping: unwind now, as Ctrl-C does
                 raise TerminationSignal(signal.SIGTERM)
             if url is not None and not server_listens(url):
-                _stop_now(f"the Prefect server at {url} is gone: serving stops now, its schedules not paused",
-                          143, echo)
+                _stop_now(_gone(url), 143, echo)
             self._logger.info("SIGTERM received, initiating graceful shutdown...")
             # threadsafe: it also wakes the loop, which a plain create_task from a signal handler leaves asleep in
             # its selector until something else wakes it (as asyncio.run's own SIGINT handler knows)
@@ -416,14 +419,15 @@ def _runner(limit: int | None, url: str | None = None, echo=print):
     return StoppingRunner(pause_on_shutdown=True, limit=limit)
 
 
-def pause_served(deployments: list) -> None:
+def pause_served(deployments: list, url: str | None = None) -> None:
     """Pause the served deployments' schedules. Prefect's runner pauses them only once it has started; a Ctrl-C
     between registering the deployments and that point left a schedule firing runs that no process serves."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    if not server_listens(api_url()):  # each call to a gone server is retried for about a minute
-        print(f"warning: the Prefect server at {api_url()} is gone: the served schedules are not paused; "
+    url = url or api_url()
+    if not server_listens(url):  # each call to a gone server is retried for about a minute
+        print(f"warning: the Prefect server at {url} is gone: the served schedules are not paused; "
               "pause them in the Prefect UI once it is back", file=sys.stderr)
         return
     try:

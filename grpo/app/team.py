@@ -124,9 +124,14 @@ def load_secrets(team: Team) -> dict[str, str]:
     return values
 
 
+def prefect_auth(secret: dict[str, str]) -> str:
+    """The Prefect server's API auth string (``user:password``; Prefect's auth is one shared string)."""
+    return f"grpo:{secret['prefect_api']}"
+
+
 def client_env(urls: dict[str, str], secret: dict[str, str], user: str) -> dict[str, str]:
     """What a client (a person's shell, a worker, ``grpo run``) needs to reach the team's servers as ``user``."""
-    return {"PREFECT_API_URL": f"{urls['prefect']}/api", "PREFECT_API_AUTH_STRING": f"grpo:{secret['prefect_api']}",
+    return {"PREFECT_API_URL": f"{urls['prefect']}/api", "PREFECT_API_AUTH_STRING": prefect_auth(secret),
             "MLFLOW_TRACKING_URI": urls["mlflow"], "MLFLOW_TRACKING_USERNAME": user,
             "MLFLOW_TRACKING_PASSWORD": secret[f"mlflow_{user}"]}
 
@@ -425,9 +430,8 @@ def up(team: Team, project: Path, host: str = "127.0.0.1", ports: Ports = Ports(
             create_databases(bin_dir, ports.postgres, secret)
         _wait_servers(state, _start_servers(team, host, ports, artifacts_destination, secret, state))
         ensure_worker_user(urls["mlflow"], secret)
-        prefect_auth = f"grpo:{secret['prefect_api']}"
-        new_pools = ensure_pools(f"{urls['prefect']}/api", prefect_auth, project)
-        ensure_zombie_automation(f"{urls['prefect']}/api", prefect_auth)
+        new_pools = ensure_pools(f"{urls['prefect']}/api", prefect_auth(secret), project)
+        ensure_zombie_automation(f"{urls['prefect']}/api", prefect_auth(secret))
         write_private(team.team_env, _env_file(client_env(urls, secret, MLFLOW_WORKER)))
         write_private(team.admin_env, _env_file(client_env(urls, secret, MLFLOW_ADMIN)))
         if new_pools:
@@ -477,8 +481,8 @@ def _start_servers(team: Team, host: str, ports: Ports, artifacts_destination: s
                    "PREFECT_HOME": str(team.home / "prefect"),
                    "PREFECT_API_DATABASE_CONNECTION_URL": f"postgresql+asyncpg://prefect:{secret['prefect_db']}@{pg}"
                                                          "/prefect",
-                   "PREFECT_SERVER_API_AUTH_STRING": f"grpo:{secret['prefect_api']}",
-                   "PREFECT_API_AUTH_STRING": f"grpo:{secret['prefect_api']}"}
+                   "PREFECT_SERVER_API_AUTH_STRING": prefect_auth(secret),
+                   "PREFECT_API_AUTH_STRING": prefect_auth(secret)}
     auth_ini = team.mlflow_dir / "basic_auth.ini"
     write_private(auth_ini, "[mlflow]\n"
                             "default_permission = EDIT\n"  # a team: everyone reads and logs to every experiment

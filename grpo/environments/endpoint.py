@@ -40,6 +40,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo.environments.episodes import _decode, _encode
+
 SERVED_MODEL = "policy"
 """The model name the endpoint serves (an agent passes it as ``model``)."""
 
@@ -242,13 +244,6 @@ class Session:
         if waiting is not None:
             waiting.answer(EndpointError(409, f"session {self.id}: its episode has ended", "conflict"))
 
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
-    return tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
 _ids = itertools.count()

@@ -16,7 +16,6 @@ import os
 import shutil
 import sys
 import tempfile
-from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -28,7 +27,7 @@ from grpo.pipeline.stages import cached_prep
 from grpo.training.policy import build_tiny_policy, shipped_policies, tiny_policy_entry
 
 # The package's folder, written into: a maintainer runs this from a checkout (an editable install's package is it).
-SHIPPED = Path(str(resources.files("grpo").joinpath("presets", "policies")))
+SHIPPED = Path(str(shipped_policies()))
 
 
 def tiny_presets() -> list[ExperimentConfig]:
@@ -70,15 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     configs = tiny_presets()
     with tempfile.TemporaryDirectory(prefix="grpo-shipped-") as cache:
         built = build(configs, Path(cache))
-        shipped = Path(str(shipped_policies()))
         if args.check:
             stale = [name for name, entry in built.items()
-                     if not (shipped / entry.name).is_dir() or not _same(entry, shipped / entry.name)]
+                     if not (SHIPPED / entry.name).is_dir() or not _same(entry, SHIPPED / entry.name)]
             print(f"differ or missing: {', '.join(stale)}" if stale else "the shipped models are the built ones")
             return 1 if stale else 0
         SHIPPED.mkdir(exist_ok=True)
+        keep = {entry.name for entry in built.values()}
         for old in SHIPPED.iterdir():
-            if old.is_dir() and old.name not in {entry.name for entry in built.values()}:
+            if old.is_dir() and old.name not in keep:
                 shutil.rmtree(old)
         for name, entry in built.items():
             shutil.rmtree(SHIPPED / entry.name, ignore_errors=True)

@@ -32,7 +32,6 @@ import torch
 
 from grpo.environments import ROUTING_COLUMN, ToolEnvironment, get_tool, make_environment
 from grpo.environments.chat import ToolLedger
-from grpo.environments.endpoint import sampling_params
 from grpo.environments.episodes import ENV_LOGPROB, Episode, rollout_fields, run_episodes
 from grpo.environments.metrics import episode_metrics, tool_metrics
 
@@ -174,27 +173,24 @@ class EnvironmentRollouts:
             except Exception as err:  # noqa: BLE001 - that episode fails (reward NaN); the run goes on
                 environments.append(_Unbuildable(err))
         reset_rows = [reset_row(row) for row in rows]
-        generate = partial(self._generate_turn)
-        gc = self.generation_config
-        generate.sampling = sampling_params(gc.temperature, gc.top_p, gc.top_k)  # what an agent's call may repeat
         return run_episodes(
-            prompt_ids, environments, generate, self._tokenizer, rows=reset_rows,
+            prompt_ids, environments, self._round_generate(), self._tokenizer, rows=reset_rows,
             max_turns=env.max_turns, max_completion_length=self.max_completion_length,
             step_timeout=env.step_timeout, max_workers=env.max_concurrency, eos_token_ids=list(self.eos_token_ids),
         )
 
-    def _generate_turn(self, sequences: list[list[int]], max_new_tokens: list[int], stop_strings: tuple[str, ...]):
-        """The episode runner's ``generate``: one batched sampling call of the current policy (the async generator's
-        sampling function, so both paths sample alike), each row stopped at its turn's stop strings, EOS or its
-        budget, with the sampling log-prob of every token."""
+    def _round_generate(self):
+        """The episode runner's ``generate`` for one round: one batched sampling call of the current policy per turn
+        (the async generator's sampling function, so both paths sample alike), each row stopped at its turn's stop
+        strings, EOS or its budget, with the sampling log-prob of every token; built once a round (weights change
+        only between rounds), carrying the sampling settings an agent's call may repeat."""
         from grpo.training.async_producer import sampling_generate
 
         gc = self.generation_config
         gen = {"temperature": gc.temperature, "top_p": gc.top_p, "top_k": gc.top_k,
                "pad_token_id": self._tokenizer.pad_token_id, "eos_token_ids": list(self.eos_token_ids),
                "shared_prompt": bool(self.experiment.async_.shared_prompt_forward)}
-        generate = sampling_generate(self.accelerator.unwrap_model(self.model), gen, self._tokenizer)
-        return generate(sequences, max_new_tokens, stop_strings)
+        return sampling_generate(self.accelerator.unwrap_model(self.model), gen, self._tokenizer)
 
     # ------------------------------------------------------------ faults and metrics
 

@@ -65,7 +65,7 @@ class StopAtStepEnd(TrainerCallback):
         # Every rank all-reduces at every step end, its own flag set or not (a rank that skipped it would hang the
         # others); a single process just reads its flag.
         anywhere = _any_rank(here, args.device) if self._several_ranks else here
-        if anywhere or here:
+        if anywhere:
             self.stopped_by_another_rank = not here
             control.should_log = True  # the steps since the last logging_steps multiple, which resume will not re-run
             control.should_save = True

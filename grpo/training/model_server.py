@@ -237,8 +237,7 @@ class ModelServer:
         ids, mask = left_padded(prompts, pad)
         width = ids.shape[1]
         stops = [job.call.stop for job in jobs]
-        stop = TurnStop(tok, (), width, limits, eos, row_stops=stops) if any(stops) or len(set(limits)) > 1 \
-            else None
+        stop = TurnStop.needed(tok, (), width, limits, eos, row_stops=stops)
         device = next(model.parameters()).device
         greedy = temperature == 0
         seeded = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) if seed is not None \

@@ -111,6 +111,9 @@ class VLLMServerEngine:
         self._episodes, self._tokenizer, self._eos_token_ids = episodes, tokenizer, eos_token_ids
         self._client = client
         self._sampling = dict(sampling)
+        self._episode_turn = partial(self._turn)  # the runner's generate, with what an agent's call may repeat
+        self._episode_turn.sampling = sampling_params(self._sampling.get("temperature", 1.0),
+                                                      self._sampling.get("top_p"), self._sampling.get("top_k"))
         self._num_generations = num_generations
         self._device = device
         self._version = 0
@@ -253,10 +256,7 @@ class VLLMServerEngine:
         version = self._version  # weights move only between messages: every turn below is sampled by this version
         from grpo.training import chat_loop  # noqa: F401  (the agent endpoint's chat parser: TRL's)
 
-        turn = partial(self._turn)
-        turn.sampling = sampling_params(self._sampling.get("temperature", 1.0), self._sampling.get("top_p"),
-                                        self._sampling.get("top_k"))  # what an agent's call may repeat
-        episodes = run_episode_round(prompt_ids, rows, turn, self._tokenizer, self._episodes,
+        episodes = run_episode_round(prompt_ids, rows, self._episode_turn, self._tokenizer, self._episodes,
                                      self._eos_token_ids)
         return rollout_of(round_id, version, [list(p) for p in prompt_ids], rows, episodes,
                           time.perf_counter() - start)

@@ -87,12 +87,13 @@ class TurnStop(StoppingCriteria):
 
     @classmethod
     def needed(cls, tokenizer: Any, stops: Sequence[str], start: int, limits: Sequence[int],
-               eos_token_ids: Sequence[int] = ()) -> TurnStop | None:
+               eos_token_ids: Sequence[int] = (),
+               row_stops: Sequence[Sequence[str]] | None = None) -> TurnStop | None:
         """The criterion for a turn, or None when ``generate``'s own ``max_new_tokens`` (``max(limits)``) and EOS
         already end every row where its turn ends (no stop strings, one budget)."""
-        if not any(stops) and len(set(limits)) <= 1:
+        if not any(stops) and not any(row_stops or ()) and len(set(limits)) <= 1:
             return None
-        return cls(tokenizer, stops, start, limits, eos_token_ids)
+        return cls(tokenizer, stops, start, limits, eos_token_ids, row_stops=row_stops)
 
 
 def _default_generator(device: torch.device) -> torch.Generator | None:
@@ -135,8 +136,6 @@ def trim(rows: list[list[int]], stop: TurnStop | None, eos_token_ids: Sequence[i
     return ends
 
 
-__all__ = ["TurnStop", "trim", "turn_random_state"]
-
 
 def left_padded(sequences: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``input_ids`` and ``attention_mask`` for ``generate``, each sequence padded on the left to the longest (as the
@@ -148,3 +147,6 @@ def left_padded(sequences: Sequence[Sequence[int]], pad: int) -> tuple[torch.Ten
         ids[i, width - len(seq):] = torch.tensor(list(seq), dtype=ids.dtype)
         mask[i, width - len(seq):] = 1
     return ids, mask
+
+
+__all__ = ["TurnStop", "left_padded", "trim", "turn_random_state"]
