@@ -177,6 +177,8 @@ def cancel_flow_runs(flow_run_ids: list[str], api_url: str | None, reason: str, 
     server that does not answer costs ``timeout`` seconds per run, not Prefect's client retries."""
     import httpx
 
+    from grpo.app.serve import api_auth_headers
+
     if api_url is None:
         from prefect.settings import PREFECT_API_URL
 
@@ -184,7 +186,7 @@ def cancel_flow_runs(flow_run_ids: list[str], api_url: str | None, reason: str, 
     if not api_url:
         return 0
     done = 0
-    with httpx.Client(timeout=timeout) as client:
+    with httpx.Client(timeout=timeout, headers=api_auth_headers()) as client:
         for flow_run_id in dict.fromkeys(flow_run_ids):
             try:
                 response = client.post(f"{api_url.rstrip('/')}/flow_runs/{flow_run_id}/set_state",
@@ -249,11 +251,15 @@ class CancelWatch:
     def _loop(self) -> None:
         import httpx
 
+        from grpo.app.serve import api_auth_headers
+
         url = self.api_url
         def counted(_response) -> None:
             self.requests += 1
 
-        with httpx.Client(event_hooks={"response": [counted]}) as client:
+        # the team's server (``grpo team up``) answers 401 to a request without its auth string: every poll read
+        # "nothing cancelled" and a Cancel in the UI never reached the run
+        with httpx.Client(event_hooks={"response": [counted]}, headers=api_auth_headers()) as client:
             while not self.done.wait(self.interval):
                 if url is None:
                     from prefect.settings import PREFECT_API_URL

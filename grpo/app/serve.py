@@ -77,7 +77,9 @@ def basic_auth(credentials: str) -> dict[str, str]:
     return {"Authorization": f"Basic {base64.b64encode(credentials.encode()).decode()}"}
 
 
-def _api_auth() -> dict[str, str]:
+def api_auth_headers() -> dict[str, str]:
+    """The headers every request of ours to the Prefect API carries: basic auth with ``PREFECT_API_AUTH_STRING``
+    when it is set (``grpo team up``'s server answers 401 without), none otherwise."""
     from prefect.settings import PREFECT_API_AUTH_STRING
 
     credentials = PREFECT_API_AUTH_STRING.value()
@@ -106,7 +108,7 @@ def server_get(path: str, url: str | None = None, on_wait: Callable[[str], None]
         left = deadline - time.monotonic()
         try:
             # the connect stays short: a listening server completes it in the kernel, even while its process is busy
-            response = httpx.get(f"{url}/{path}", headers=_api_auth(),
+            response = httpx.get(f"{url}/{path}", headers=api_auth_headers(),
                                  timeout=httpx.Timeout(max(min(wait, left), 0.1), connect=5.0))
         except (httpx.ConnectError, httpx.UnsupportedProtocol, httpx.InvalidURL) as err:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
