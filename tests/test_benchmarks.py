@@ -158,12 +158,13 @@ def _trl_parity(r: dict) -> None:
 
 def _time_to_accuracy(r: dict) -> None:
     # smoke: target 0.0, so both runs reach it at their first evaluation (step 1) and stop there
-    assert [run["trainer"] for run in r["runs"]] == ["ours", "trl"] and r["seeds"] == 1
+    assert [run["trainer"] for run in r["runs"]] == ["ours", "trl", "ours_async"] and r["seeds"] == 1
     for run in r["runs"]:
         assert [e[0] for e in run["evals"]] == [1] and run["steps_to_target"] == 1, run
         assert _finite(run["train_s_to_target"], 1e-4) and _finite(run["final_accuracy"], 0, 1), run
     assert r["runs"][0]["compaction_rows_skipped_frac"] is not None  # ours logs compaction; TRL does not
     assert r["runs"][1]["compaction_rows_skipped_frac"] is None
+    assert r["ours_async_steps_to_target"] == 1 and _finite(r["ratio_time_to_target_ours_async_over_trl"], 1e-6)
     # ours runs each group's prompt once: at most one prompt per 8 completions of the rows it computed (None when the
     # smoke's single step has no signal and compaction leaves no repeated prompt to share)
     shared = r["runs"][0]["shared_prompt_forwards_frac"]
