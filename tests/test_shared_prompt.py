@@ -93,6 +93,20 @@ def test_gradient_equals_the_repeated_forward(shared, loss_type, chunks, compact
     assert torch.allclose(our_loss, full_loss, rtol=1e-5, atol=1e-7), (our_loss, full_loss)
 
 
+def test_the_gradient_is_the_same_bits_every_time(shared):
+    """Two runs of one seed must train alike. The prompt's keys/values were indexed out to the rows by advanced
+    indexing, whose backward on the CPU sums a prompt's completions' gradients in the order its threads finish: the
+    same batch gave gradients differing in their last bits from one backward to the next, and runs of one preset
+    drifted apart. The fixture's batch tiled 16 times (288 rows on 3 prompts) gives the threads work to share."""
+    trainer, batch = shared
+    big = {k: (torch.cat([v] * 16) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == GROUPS * SIZE else v)
+           for k, v in batch.items()}
+    first, _ = gradient(trainer, big, shared_prompt=True)
+    for _ in range(5):
+        again, _ = gradient(trainer, big, shared_prompt=True)
+        assert torch.equal(again, first), (again - first).abs().max()
+
+
 def test_the_backbone_runs_each_prompt_once(shared, monkeypatch):
     """Rows through the backbone: 3 prompts + 18 completions shared, 18 prompt + completion rows repeated."""
     trainer, batch = shared
