@@ -144,7 +144,7 @@ def test_grpo_env_modules_and_entry_points_reach_a_fresh_process(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == ("['agent', 'calculator', 'from_entry_point', 'from_file', 'guess_digit', "
                                      "'openenv', 'tool_use'] ['calculator', 'entry_tool', 'file_tool'] "
-                                     "['calculator_agent', 'entry_agent', 'file_agent']")
+                                     "['calculator_agent', 'entry_agent', 'file_agent', 'verifiers']")
 
 
 def test_the_calculator_evaluates_integer_arithmetic_and_nothing_else():
@@ -255,7 +255,7 @@ def test_grpo_environments_lists_environments_and_tools(tmp_path):
     assert [line.split()[0] for line in envs] == ["agent", "calculator", "cli_env", "guess_digit", "openenv",
                                                   "tool_use"]
     assert "Listed from a file." in envs[2] and [line.split()[0] for line in tools] == ["calculator"]
-    assert [line.split()[0] for line in agents] == ["calculator_agent", "cli_agent"]
+    assert [line.split()[0] for line in agents] == ["calculator_agent", "cli_agent", "verifiers"]
     assert "An agent from a file." in agents[1]
 
 

@@ -253,6 +253,12 @@ def environment_is_registered(cfg: ExperimentConfig) -> None:
     env = cfg.environment
     check_environment_names("environment.name", env.name, "environment.tools", env.tools)
     check_agent_name("environment.agent", env.agent)
+    if env.agent is not None and set(env.kwargs) - {"agent", "max_sessions"}:  # the agent's options: its configure
+        check_environment_builds("environment.kwargs", env.name, env.kwargs)
+    if env.agent == "verifiers" and cfg.model.is_tiny:
+        raise ValueError("environment.agent 'verifiers': verifiers' harnesses call the model through chat completions, "
+                         "and the 'tiny' model's character tokenizer has no chat template; set model.name_or_path to a "
+                         "chat model")
     if not env.enabled and (env.tools or env.kwargs):
         raise ValueError("environment.tools / environment.kwargs are set but environment.name is empty; name the "
                          "environment they belong to (grpo environments lists them)")

@@ -118,7 +118,7 @@ def tool_schema(tool: Tool | str) -> dict[str, Any]:
     return get_json_schema(get_tool(tool) if isinstance(tool, str) else tool)
 
 
-from grpo.environments import agents, builtin, openenv  # noqa: E402,F401  (register the built-ins; they import the names above)
+from grpo.environments import agents, builtin, openenv, verifiers_tasksets  # noqa: E402,F401  (register the built-ins; they import the names above)
 
 __all__ = [
     "ENVIRONMENTS", "MODULES_ENV", "TOOLS", "ConcurrencyLimit", "Environment", "StepResult", "ToolCall",
