@@ -13,6 +13,7 @@ import openai
 import pytest
 import torch
 
+from grpo.algo.group_balancing import BALANCED_ROWS
 from grpo.environments import make_environment
 from grpo.environments.agents import register_agent
 from grpo.environments.endpoint import SERVED_MODEL, endpoint, sampling_params
@@ -131,13 +132,66 @@ def test_the_sampled_ids_are_kept_where_tokenising_their_text_gives_other_ids():
     assert second["token_ids"] == [four, two, tok.eos_token_id]
 
 
+@register_agent("test_rewriting_agent")
+def rewriting_agent(client: openai.OpenAI, row: dict) -> float:
+    """Rewrites its history twice: a call, then the first call's answer under another prompt (token ids, kept as
+    given), a call extending that one after the agent's ``42|``, then a new text prompt; every response kept."""
+    responses = []
+
+    def call(prompt, **kw):
+        responses.append(client.completions.create(model=SERVED_MODEL, prompt=prompt, logprobs=0, **kw).model_dump())
+        return responses[-1]["choices"][0]
+
+    first = call(row["prompt"], stop=["]"])
+    second = call(enc("11+11=") + first["token_ids"], stop=["]"])
+    call("11+11=" + first["text"] + second["text"] + "42|", stop=["]"])
+    call("33+33=")
+    RECORDED[row["prompt"]] = responses
+    return 1.0
+
+
+def test_an_agent_that_rewrites_its_history_trains_each_sequence_as_a_sample_of_its_own():
+    """Where a call does not extend the previous call's prompt and completion, the sequence so far becomes a sample
+    of its own and the episode goes on from the new call's prompt: three samples here, each with exactly the token
+    ids the endpoint returned (prompt and completion, a token-id prompt kept as given) and the sampled log-probs,
+    the extending call's appended text as environment tokens; the episode's row is its last sample."""
+    from grpo.environments.episodes import Sample, rollout_fields
+    from grpo.environments.metrics import episode_metrics
+
+    [ep] = agent_episodes("test_rewriting_agent", {"27+15=": ["[27+15]"], "11+11=": ["[1]", "2]"],
+                                                    "33+33=": ["66<eos>"]}, rows=[{"prompt": "27+15="}])
+    assert (ep.error, ep.reward, ep.turns, ep.stop_reason) == (None, 1.0, 4, "eos")
+    r1, r2, r3, r4 = (r["choices"][0] for r in RECORDED["27+15="])
+
+    def logprobs(r):
+        return r["logprobs"]["token_logprobs"]
+
+    assert ep.samples == [
+        Sample(enc("27+15="), enc("[27+15]"), [1] * 7, pytest.approx(logprobs(r1))),
+        Sample(enc("11+11=[27+15]"), enc("[1]42|2]"), [1, 1, 1, 0, 0, 0, 1, 1],
+               pytest.approx(logprobs(r2) + [ENV_LOGPROB] * 3 + logprobs(r3))),
+    ]
+    first, second = ep.samples
+    assert (first.prompt_ids, first.completion_ids) == (r1["prompt_token_ids"], r1["token_ids"])
+    assert second.prompt_ids == r2["prompt_token_ids"] == enc("11+11=") + r1["token_ids"]  # the ids as sent
+    assert second.completion_ids == r2["token_ids"] + enc("42|") + r3["token_ids"]
+    assert r3["prompt_token_ids"] == second.prompt_ids + second.completion_ids[:6]
+    assert (ep.prompt_ids, ep.completion_ids, ep.env_mask) == (r4["prompt_token_ids"], r4["token_ids"], [1, 1, 1])
+    assert ep.completion_ids == enc("66") + [EOS] and ep.logprobs == pytest.approx(logprobs(r4))
+    row = rollout_fields([ep])
+    assert (row["prompt_ids"], row["completion_ids"], row["env_reward"]) == ([enc("33+33=")], [enc("66") + [EOS]],
+                                                                             [1.0])
+    assert (ep.model_tokens, ep.env_tokens, ep.first_prompt_ids) == (15, 3, enc("27+15="))
+    assert episode_metrics([ep])["env/samples/mean"] == 3.0
+
+
 CALLS: dict[str, object] = {}
 RELEASE = threading.Event()
 
 
 @register_agent("test_probing_agent")
 def probing_agent(client: openai.OpenAI, row: dict) -> float | None:
-    """Per row's ``probe``: a refused call then a good one, a raise, a hang, a history rewrite."""
+    """Per row's ``probe``: a refused call then a good one, a raise, a hang."""
     probe = row["probe"]
     if probe == "params":
         for bad in ({"temperature": 0.5}, {"top_p": 0.9}, {"seed": 3}, {"model": "gpt-4o"}):
@@ -156,30 +210,22 @@ def probing_agent(client: openai.OpenAI, row: dict) -> float | None:
         client.completions.create(model=SERVED_MODEL, prompt=row["prompt"], stop="]")
         RELEASE.wait(120)
         return 1.0
-    if probe == "rewrite":
-        out = client.completions.create(model=SERVED_MODEL, prompt=row["prompt"], stop="]")
-        try:
-            client.completions.create(model=SERVED_MODEL, prompt="11+11=" + out.choices[0].text)
-        except openai.BadRequestError as err:
-            CALLS["rewrite"] = err.body["message"]
-        return 1.0
     return None
 
 
 def test_refused_calls_faults_and_ended_sessions_each_get_one_clear_answer():
     """One round: a call changing the run's sampling (temperature, top_p, seed) or naming another model is refused
     with one clear HTTP error and the agent goes on (the run's temperature and a ``max_tokens`` cap are served); an
-    agent that raises, one that hangs past the step timeout and one that rewrites its history end their own episodes
-    with NaN and the reason while the round completes; afterwards the ended session answers 409 and an unknown one
-    404."""
-    probes = ["params", "raise", "hang", "rewrite"]
+    agent that raises and one that hangs past the step timeout end their own episodes with NaN and the reason while
+    the round completes; afterwards the ended session answers 409 and an unknown one 404."""
+    probes = ["params", "raise", "hang"]
     rows = [{"prompt": f"{i}{i}+{i}{i}=", "probe": p} for i, p in enumerate(probes, 1)]
     turns = {r["prompt"]: ["[1]", "2<eos>"] for r in rows}
     try:
         eps = agent_episodes("test_probing_agent", turns, rows=rows, step_timeout=3.0)
     finally:
         RELEASE.set()
-    params, raised, hung, rewrote = eps
+    params, raised, hung = eps
     assert CALLS["{'temperature': 0.5}"] == (400, "temperature=0.5 is refused: sampling parameters come from the run's "
                                               "config (temperature=1.0); leave it unset or send the run's value")
     assert CALLS["{'top_p': 0.9}"][0] == 400 and "top_p=0.9 is refused" in CALLS["{'top_p': 0.9}"][1]
@@ -190,8 +236,6 @@ def test_refused_calls_faults_and_ended_sessions_each_get_one_clear_answer():
     for ep, why in ((raised, "environment step: RuntimeError: agent raised ValueError: the agent's parser broke"),
                     (hung, "environment step: timed out after 3 s")):
         assert math.isnan(ep.reward) and ep.stop_reason == "error" and ep.error == why, ep.error
-    assert math.isnan(rewrote.reward) and "history rewritten" in rewrote.error
-    assert CALLS["rewrite"].endswith("per-call samples are not supported yet: keep each prompt a continuation")
 
     ended = openai.OpenAI(base_url=CALLS["base_url"], api_key="x", max_retries=0)
     with pytest.raises(openai.ConflictError, match="its episode has ended"):
@@ -204,46 +248,99 @@ def test_refused_calls_faults_and_ended_sessions_each_get_one_clear_answer():
 # ---------------------------------------------------------------- the trainer's paths: sync, CPU generator process
 
 AGENT_TRAINER = {"model.warm_start.steps": 0, "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4,
-                 "grpo.max_completion_length": 32, "grpo.temperature": 1.5, "environment.agent": "calculator_agent",
+                 "grpo.max_completion_length": 32, "grpo.temperature": 1.5, "environment.agent": "test_retrying_agent",
                  "grpo.reward_funcs": "[env_reward]"}
 
 
+def record_episodes(trainer) -> list:
+    """The episodes the trainer's rollouts run from now on, as they are handed to TRL (a list filled in place)."""
+    episodes, run = [], trainer._episodes_for
+    trainer._episodes_for = lambda ids, rows: episodes.extend(run(ids, rows)) or episodes[-len(rows):]
+    return episodes
+
+
 @pytest.mark.integration
-def test_the_sync_and_generator_process_paths_train_on_the_same_agent_episodes(tmp_path):
-    """``environment.agent: calculator_agent`` on the micro trainer: the sync trainer's episodes (its endpoint in
-    this process) and the async trainer's (the agent and the endpoint in the CPU generator process) are the same
-    for the same seed, token for token; in the trainer's batch the agent's appended text is environment tokens,
-    whose per-token log-probs get exactly zero gradient, and the episode metrics are logged."""
+def test_the_sync_and_generator_process_paths_train_on_the_same_agent_episodes_and_samples(tmp_path):
+    """``tests/retrying_agent.py`` on the micro trainer: a try (two calls, the second extending the first after the
+    agent's ``1|``), then a retry that rewrites its history, so every episode is two samples. The sync trainer's
+    episodes (its endpoint in this process) and the async trainer's (the agent and the endpoint in the CPU generator
+    process) are the same for the same seed, token for token, earlier samples included. In the sync trainer's
+    generation batch the episodes' rows come first and each earlier sample follows as a row of its own: its exact
+    prompt and completion ids as the runner recorded them, ``tool_mask`` its ``env_mask``,
+    ``sampling_per_token_logps`` its recorded log-probs, its episode's advantage, the loss-token count covering it.
+    The agent's appended text is environment tokens in every row, whose per-token log-probs get exactly zero
+    gradient; the episode metrics are logged; a training step runs on the generator process's episodes, every row
+    in a micro-batch."""
+    from pathlib import Path
+
+    from grpo.environments import load_environment_module
+    from grpo.training.off_policy import loss_mask
     from tests.test_async_episodes import ASYNC, sync_episodes_of_first_batch
     from tests.trainers import logp_gradient, micro_trainer
 
-    sync = micro_trainer(tmp_path / "sync", AGENT_TRAINER)
+    load_environment_module(Path(__file__).parent / "retrying_agent.py")
+    # two optimisation passes and a KL term: the batch holds old and reference log-probs, the extra rows' included
+    sync = micro_trainer(tmp_path / "sync", {**AGENT_TRAINER, "grpo.num_iterations": 2, "grpo.beta": 0.04})
     prompt_ids, rows, expected = sync_episodes_of_first_batch(sync)
-    trainer = micro_trainer(tmp_path / "async", {**AGENT_TRAINER, **ASYNC})
-    try:
-        got = trainer._episodes_for(prompt_ids, rows)
-    finally:
-        trainer.close_producer()
-    assert all(ep.error is None for ep in expected) and any(ep.env_tokens for ep in expected)
-    assert [replace(ep, logprobs=None, environment=None) for ep in got] == [replace(ep, logprobs=None)
-                                                                           for ep in expected]
-    for ep, ref in zip(got, expected):
-        assert ep.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+    assert all(ep.error is None and len(ep.samples) == 1 and 0 in ep.samples[0].env_mask for ep in expected)
 
     torch.manual_seed(0)
-    batch = sync.assemble_generation_batch([dict(sync.train_dataset[i]) for i in range(2) for _ in range(4)])
-    env = (batch["completion_mask"] * (1 - batch["tool_mask"])).bool()
-    assert env.any()
-    tok = sync.processing_class
-    for i in range(env.shape[0]):  # environment tokens are the calculator's answers the agent appended, or the EOS
-        text = "".join(tok.convert_ids_to_tokens(t) for t in batch["completion_ids"][i][env[i]].tolist())
-        assert set(text) <= set("0123456789|-error: no[unknowtlcalutr") | {*tok.eos_token}, text
-    batch = dict(batch, advantages=torch.linspace(-1, 1, batch["advantages"].numel()))
-    grad = logp_gradient(sync, batch)
-    assert grad[env].abs().max() == 0 and grad[~env & batch["completion_mask"].bool()].abs().max() > 0
+    episodes = record_episodes(sync)
+    batch = sync.assemble_generation_batch([dict(row) for row in rows])
+    n = len(episodes)
+    picked = [(k, s) for k, ep in enumerate(episodes) for s in ep.samples]
+    assert picked and batch["completion_ids"].shape[0] == n + len(picked) == n + sync._call_sample_rows
+    for row, (k, sample) in enumerate(picked, start=n):
+        size = len(sample.completion_ids)
+        assert batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist() == sample.prompt_ids
+        assert batch["completion_ids"][row][:size].tolist() == sample.completion_ids
+        assert batch["completion_mask"][row].sum() == size
+        assert batch["tool_mask"][row][:size].tolist() == sample.env_mask
+        assert batch["sampling_per_token_logps"][row][:size].tolist() == pytest.approx(sample.logprobs)
+        assert batch["advantages"][row] == batch["advantages"][k]
+    assert batch["advantages"][:n].abs().sum() > 0
+    assert batch["num_items_in_batch"] == loss_mask(batch).sum()
+    with torch.no_grad():  # one forward over the whole batch: the extra rows' old and reference log-probs are TRL's
+        logps = sync._get_per_token_logps_and_entropies(
+            sync.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].shape[1])[0]
+    mask = batch["completion_mask"].bool()
+    for key in ("old_per_token_logps", "ref_per_token_logps"):
+        assert batch[key][mask].tolist() == pytest.approx(logps[mask].tolist(), abs=1e-5), key
+    assert sync._metrics["train"]["env/samples/mean"] == [1 + len(picked) / n]
     for name in ("env/turns/mean", "env/env_tokens/mean", "env/errors", "env/generated_tokens/mean",
                  "env/agent/reward_mean"):
         assert sync._metrics["train"][name], name
+
+    env = (batch["completion_mask"] * (1 - batch["tool_mask"])).bool()
+    tok = sync.processing_class
+    for i in range(env.shape[0]):  # environment tokens: the agent's "1|" in the first tries, the EOS ending a retry
+        text = "".join(tok.convert_ids_to_tokens(t) for t in batch["completion_ids"][i][env[i]].tolist())
+        assert text == "1|" if i >= n else text in ("", tok.eos_token), text
+    batch = dict(batch, advantages=torch.linspace(-1, 1, batch["advantages"].numel()))
+    grad = logp_gradient(sync, batch)
+    sampled = (batch["completion_mask"] * batch["tool_mask"]).bool()
+    assert env[n:].any() and grad[env].abs().max() == 0 and grad[n:][sampled[n:]].abs().min() > 0
+
+    trainer = micro_trainer(tmp_path / "async", {**AGENT_TRAINER, **ASYNC})
+    try:
+        got = record_episodes(trainer)
+        loss = trainer.training_step(trainer.model, [dict(row) for row in rows], None)
+    finally:
+        trainer.close_producer()
+
+    def tokens(ep):
+        return replace(ep, logprobs=None, environment=None, samples=[replace(s, logprobs=None) for s in ep.samples])
+
+    assert [tokens(ep) for ep in got] == [tokens(ep) for ep in expected]
+    for ep, ref in zip(got, expected):
+        assert ep.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+        for sample, ref_sample in zip(ep.samples, ref.samples):
+            assert sample.logprobs == pytest.approx(ref_sample.logprobs, abs=1e-5)
+    rows_trained = sum(part.get(BALANCED_ROWS, 0) for part in trainer._buffered_inputs)
+    assert rows_trained == n + trainer._call_sample_rows == n + sum(len(ep.samples) for ep in got)
+    assert torch.isfinite(loss) and any(p.grad is not None and p.grad.abs().sum() > 0
+                                        for p in trainer.model.parameters())
 
 
 def test_the_config_names_an_agent_and_an_unknown_one_is_one_line(tmp_path):
@@ -284,3 +381,79 @@ def test_an_async_agent_runs_with_an_async_client_and_may_leave_the_reward_to_th
     [ep] = agent_episodes("test_async_agent", {"27+15=": ["[27+15]", "42<eos>"]})
     assert (ep.error, ep.reward, ep.turns, ep.stop_reason) == (None, None, 2, "eos")
     assert ep.completion_ids == enc("[27+15]42|42") + [EOS] and ep.env_mask == [1] * 7 + [0] * 3 + [1] * 3
+
+
+@register_agent("test_refusing_agent")
+def refusing_agent(client: openai.OpenAI, row: dict) -> float:
+    """Two refused calls it catches (another temperature, another model), one good call, then per row's ``probe``
+    a raise, a third refused call (a seed) or a call that rewrites its history (a new sample) before returning."""
+    for bad in ({"temperature": 0.5}, {"model": "gpt-4o"}):
+        try:
+            client.completions.create(**{"model": SERVED_MODEL, "prompt": row["prompt"], **bad})
+        except openai.APIStatusError:
+            pass
+    out = client.completions.create(model=SERVED_MODEL, prompt=row["prompt"], stop="]", max_tokens=5)
+    if row["probe"] == "raise":
+        raise ValueError("the agent's parser broke")
+    if row["probe"] == "restart":
+        client.completions.create(model=SERVED_MODEL, prompt=row["prompt"] + "0", stop="]", max_tokens=5)
+        return 1.0
+    try:
+        client.completions.create(model=SERVED_MODEL, prompt=row["prompt"] + out.choices[0].text, seed=3)
+    except openai.BadRequestError:
+        pass
+    return 1.0
+
+
+def test_refused_calls_and_failing_agents_show_in_the_metrics_and_the_trace():
+    """What the endpoint recorded of each call reaches the episode (``model_calls``): its token counts, stop,
+    ``max_tokens`` and the run's sampling parameters; the calls it refused count in ``env/refused_calls``, an agent
+    that raised in ``env/errors``; in the episode's MLflow trace each answered call is a chat-model span with its
+    prompt, completion, token counts, sampling parameters and policy version, each refused call an error span with
+    its message, a call that restarted the sequence has its own prompt, and a raising agent's root span is an error
+    with the reason."""
+    from grpo.environments.metrics import episode_metrics
+    from grpo.tracking.traces import episode_trace
+    from grpo.training.episodes import episode_record
+
+    rows = [{"prompt": "11+11=", "probe": "ok"}, {"prompt": "22+22=", "probe": "raise"},
+            {"prompt": "33+33=", "probe": "restart"}]
+    ok, raised, restarted = agent_episodes("test_refusing_agent", {r["prompt"]: ["[1]", "[2]"] for r in rows},
+                                           rows=rows)
+    assert (ok.reward, ok.error, raised.stop_reason) == (1.0, None, "error")
+    assert [c.get("refused", "answered")[:24] for c in ok.model_calls] == [
+        "temperature=0.5 is refus", "model 'gpt-4o' does not ", "answered", "seed=3 is refused: the r"]
+    answered = ok.model_calls[2]
+    assert {k: answered[k] for k in ("prompt_tokens", "completion_tokens", "finish_reason", "route", "max_tokens",
+                                     "stop", "temperature", "tool_calls")} == {
+        "prompt_tokens": len(enc("11+11=")), "completion_tokens": len(enc("[1]")), "finish_reason": "stop",
+        "route": "completions", "max_tokens": 5, "stop": ["]"], "temperature": 1.0, "tool_calls": []}
+    assert [c.get("status") for c in raised.model_calls] == [400, 404, None]
+    metrics = episode_metrics([ok, raised, restarted])
+    assert (metrics["env/refused_calls"], metrics["env/errors"]) == (7 / 3, 1 / 3)
+
+    ok.environment = raised.environment = "agent"
+    _, spans = episode_trace(episode_record(ok, "11+11=", step=8, policy_version=7), "0", "run")
+    [root] = [sp for sp in spans if sp.parent_id is None]
+    [call] = [sp for sp in spans if sp.span_type == "CHAT_MODEL"]
+    refused = [sp for sp in spans if sp.name == "refused call"]
+    assert (root.attributes["refused_calls"], root.attributes["policy_version"]) == (3, 7)
+    assert (call.inputs, call.outputs) == ({"prompt": "11+11="}, "[1]")
+    assert {k: call.attributes[k] for k in ("prompt_tokens", "completion_tokens", "temperature", "top_p",
+                                            "policy_version", "max_tokens")} == {
+        "prompt_tokens": 6, "completion_tokens": 3, "temperature": 1.0, "top_p": 1.0, "policy_version": 7,
+        "max_tokens": 5}
+    assert [(sp.span_type, sp.status.status_code, sp.attributes["status"]) for sp in refused] == [
+        ("LLM", "ERROR", 400), ("LLM", "ERROR", 404), ("LLM", "ERROR", 400)]
+    assert refused[2].status.description.startswith("seed=3 is refused")
+    assert refused[1].start_time_ns <= call.start_time_ns <= refused[2].start_time_ns <= root.end_time_ns
+    _, spans = episode_trace(episode_record(raised, "22+22=", step=8), "0", "run")
+    [root] = [sp for sp in spans if sp.parent_id is None]
+    assert root.status.status_code == "ERROR" and "agent raised ValueError: the agent's parser broke" in \
+        root.status.description
+    restarted.environment = "agent"
+    assert [c.get("restart", False) for c in restarted.model_calls if "refused" not in c] == [False, True]
+    _, spans = episode_trace(episode_record(restarted, "33+33=", step=8), "0", "run")
+    calls = [sp for sp in spans if sp.span_type == "CHAT_MODEL"]
+    assert [(sp.inputs["prompt"], sp.outputs, sp.attributes["prompt_tokens"]) for sp in calls] == [
+        ("33+33=", "[1]", 6), ("33+33=0", "[2]", 7)]

@@ -8,9 +8,11 @@ the one a user writes: ``environment: {name: tool_use, protocol: chat, tools: [c
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
+import openai
 import pytest
 import torch
 import yaml
@@ -236,7 +238,8 @@ CHAT_RESPONSES: list[dict] = []
 
 def _chat_calculator_agent(client, row: dict) -> float:
     """A chat agent as people write them: ``tools`` in the request, the SDK's message appended as it came back, a
-    ``tool`` message per call (by ``tool_call_id``), the model called again until it answers."""
+    ``tool`` message per call (by ``tool_call_id``; a call that fails answers its error), the model called again until
+    it answers."""
     from grpo.environments import tool_schema
 
     messages, tools = list(row["prompt"]), [tool_schema("calculator")]
@@ -248,26 +251,87 @@ def _chat_calculator_agent(client, row: dict) -> float:
             return float((message.content or "").strip() == row["answer"])
         messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls:
-            result = get_tool(call.function.name)(**json.loads(call.function.arguments))
+            try:
+                result = get_tool(call.function.name)(**json.loads(call.function.arguments))
+            except Exception as err:  # noqa: BLE001 - a bad call's error goes back to the model, as agents do
+                result = f"error: {err}"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": str(result)})
     return 0.0
+
+
+def _register_chat_agent() -> None:
+    """Registered by the tests that run it (not at import: the registry lists it to every test of the process)."""
+    from grpo.environments.agents import AGENTS
+
+    if "test_chat_calculator_agent" not in AGENTS.names():
+        AGENTS.register("test_chat_calculator_agent")(_chat_calculator_agent)
+
+
+def _summarising_chat_agent(client, row: dict) -> float:
+    """A chat agent that rewrites its history: its second call's conversation is a summary of the first answer, not
+    the first conversation and its answer."""
+    first = client.chat.completions.create(model="policy", messages=list(row["prompt"]), logprobs=True)
+    said = first.choices[0].message.content or ""
+    again = [{"role": "user", "content": f"You said {said!r}. Say it again."}]
+    second = client.chat.completions.create(model="policy", messages=again, logprobs=True)
+    CHAT_RESPONSES.extend([first.model_dump(), second.model_dump(), {"again": again}])
+    return 1.0
+
+
+def test_a_chat_agent_that_rewrites_its_conversation_trains_each_conversation_as_a_sample(tool_caller):
+    """A chat call whose messages are not the previous call's messages and its answer starts the episode's next
+    sample: the first conversation and its answer as the endpoint returned them, then the new conversation rendered
+    whole with the chat template and its answer (the episode's row)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import grpo.training.chat_loop  # noqa: F401 - the endpoint's chat parser, as every rollout path sets it
+    from grpo.environments import make_environment
+    from grpo.environments.agents import AGENTS
+    from grpo.environments.episodes import run_episodes
+    from grpo.training.evaluation import episode_generator
+
+    if "test_summarising_chat_agent" not in AGENTS.names():
+        AGENTS.register("test_summarising_chat_agent")(_summarising_chat_agent)
+    model_dir, data_file = tool_caller
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    row = json.loads(data_file.read_text().splitlines()[0])
+    CHAT_RESPONSES.clear()
+    [ep] = run_episodes([[0]], [make_environment("agent", agent="test_summarising_chat_agent")],
+                        episode_generator(model, tok, do_sample=False), tok, rows=[row], max_turns=4,
+                        max_completion_length=160, step_timeout=60.0)
+    first, second, again = CHAT_RESPONSES
+    assert (ep.error, ep.reward, ep.turns, len(ep.samples)) == (None, 1.0, 2, 1)
+
+    def rendered(messages):
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    [sample] = ep.samples
+    assert sample.prompt_ids == first["prompt_token_ids"] == rendered(row["prompt"])
+    assert sample.completion_ids == first["choices"][0]["token_ids"] and sample.env_mask == [1] * len(
+        sample.completion_ids)
+    assert ep.prompt_ids == second["prompt_token_ids"] == rendered(again["again"])
+    answer = second["choices"][0]["token_ids"]
+    assert ep.completion_ids[:len(answer)] == answer and ep.env_mask[:len(answer)] == [1] * len(answer)
 
 
 def test_a_chat_agent_calls_its_tools_through_chat_completions_on_the_tool_calling_model(tool_caller):
     """An ``openai``-SDK agent on ``/v1/chat/completions`` with ``tools``, the tool-calling model answering greedily
     (evaluation's generate): the model's calls come back as OpenAI ``tool_calls``, the agent runs them and calls again;
     the episode is one sequence whose environment tokens are exactly the template's tool messages, its prompt the
-    conversation rendered with the tool's schema, and each response's ids are the episode's."""
+    conversation rendered with the tool's schema, and each response's ids are the episode's. The model's tool calls
+    are the episode's tool calls: the tool metrics and evaluation's ``tool_call_rate`` count them, and its trace shows
+    them under the calls that made them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import grpo.training.chat_loop  # noqa: F401 - the endpoint's chat parser, as every rollout path sets it
     from grpo.environments import make_environment, tool_schema
-    from grpo.environments.agents import AGENTS
     from grpo.environments.chat import turn_suffix_text
     from grpo.environments.episodes import run_episodes
     from grpo.training.evaluation import episode_generator
 
-    if "test_chat_calculator_agent" not in AGENTS.names():
-        AGENTS.register("test_chat_calculator_agent")(_chat_calculator_agent)
+    _register_chat_agent()
     model_dir, data_file = tool_caller
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -301,3 +365,129 @@ def test_a_chat_agent_calls_its_tools_through_chat_completions_on_the_tool_calli
         assert sequence[:start] == r["prompt_token_ids"]
         assert sequence[start: start + len(r["choices"][0]["token_ids"])] == r["choices"][0]["token_ids"]
         assert r["choices"][0]["logprobs"] is None  # evaluation's generate records none (training's does)
+
+    from grpo.environments.metrics import episode_metrics
+    from grpo.tracking.traces import episode_trace
+    from grpo.training.episodes import episode_record
+    from grpo.training.evaluation import episode_figures
+
+    for e in eps:  # each call's OpenAI tool_calls, as the endpoint recorded them, are the episode's tool calls
+        names = [name for call in e.model_calls for name in call["tool_calls"]]
+        assert e.tool_calls == ({"calculator": len(names)} if names else {}) and e.unknown_tool_calls == 0
+        assert [c["route"] for c in e.model_calls] == ["chat/completions"] * e.turns
+    calls = sum(e.tool_calls.get("calculator", 0) for e in eps)
+    metrics = episode_metrics(eps)
+    assert metrics["env/tools/calculator/calls"] == calls / len(eps) > 0 and metrics["env/tools/failure_frequency"] == 0
+    assert metrics["env/tools/calculator/latency_s"] >= 0 and metrics["env/refused_calls"] == 0
+    assert episode_figures(eps)["tool_call_rate"] == sum(bool(e.tool_calls) for e in eps) / len(eps) > 0
+    ep.environment = "agent"
+    _, trace = episode_trace(episode_record(ep, tok.decode(ep.prompt_ids, skip_special_tokens=True), 1), "0", "run")
+    turns = {sp.span_id: sp for sp in trace if sp.span_type == "CHAT_MODEL"}
+    tools = [sp for sp in trace if sp.span_type == "TOOL"]
+    assert [sp.attributes["tool_calls"] for sp in turns.values()] == [c["tool_calls"] for c in ep.model_calls]
+    assert tools and all(sp.name == "calculator" and sp.attributes["status"] == "ok" for sp in tools)
+    assert all(turns[sp.parent_id].attributes["tool_calls"] for sp in tools)
+
+
+def test_serve_model_answers_chat_completions_with_tools(tool_caller, tmp_path):
+    """``grpo serve-model`` (the real CLI process) on the tool-calling chat model, called through the ``openai``
+    SDK on ``/v1/chat/completions`` with ``tools``: the model's call comes back as OpenAI ``tool_calls`` (finish
+    reason ``tool_calls``) with vLLM's ``prompt_token_ids`` (the conversation rendered with the tool's schema) and
+    ``token_ids``; the SDK's assistant message and a ``tool`` message sent back are rendered as the template's turns."""
+    from transformers import AutoTokenizer
+
+    from grpo.environments import tool_schema
+    from tests.servers import free_port, interrupt
+
+    model_dir, data_file = tool_caller
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    row = json.loads(data_file.read_text().splitlines()[0])
+    tools = [tool_schema("calculator")]
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "grpo.app.cli", "serve-model", str(model_dir), "--port", str(port),
+                             "--model-name", "caller"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        line = proc.stdout.readline()  # hang bound: the test's own
+        assert line == f"serving caller at http://127.0.0.1:{port}/v1 (Ctrl-C stops)\n", (line, proc.poll())
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
+        out = client.chat.completions.create(model="caller", messages=row["prompt"], tools=tools, temperature=0,
+                                             max_tokens=64, logprobs=True)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        [call] = choice.message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert call.type == "function" and call.function.name == "calculator" and set(arguments) == {"expression"}
+        rendered = tok.apply_chat_template(row["prompt"], tools=tools, add_generation_prompt=True, tokenize=False)
+        assert out.model_extra["prompt_token_ids"] == tok(rendered, add_special_tokens=False)["input_ids"]
+        ids = choice.model_extra["token_ids"]
+        assert "<tool_call>" in tok.decode(ids) and ids[-1] == tok.eos_token_id
+        assert len(choice.logprobs.content) == len(ids) and all(t.logprob <= 0 for t in choice.logprobs.content)
+        assert out.usage.prompt_tokens == len(out.model_extra["prompt_token_ids"]) and out.usage.completion_tokens \
+            == len(ids)
+
+        answer = str(get_tool("calculator")(**arguments))
+        messages = [*row["prompt"], choice.message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": answer}]
+        final = client.chat.completions.create(model="caller", messages=messages, tools=tools, temperature=0,
+                                               max_tokens=32)
+        expected = tok.apply_chat_template([*row["prompt"], {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": arguments}}]},
+            {"role": "tool", "content": answer}], tools=tools, add_generation_prompt=True, tokenize=False)
+        assert final.model_extra["prompt_token_ids"] == tok(expected, add_special_tokens=False)["input_ids"]
+        assert final.choices[0].model_extra["token_ids"] and final.choices[0].finish_reason in ("stop", "tool_calls")
+    finally:
+        interrupt(proc, timeout=60)
+    out_text, err = proc.communicate()
+    assert proc.returncode == 0 and out_text.strip().splitlines() == ["stopped"], err
+    assert "Traceback" not in err, err
+
+
+def test_a_chat_agent_with_tools_trains_and_its_calls_are_traced(tool_caller, tmp_path, mlflow_server):
+    """Two optimizer steps of the chat agent above on the tool-calling model (``environment.agent``, the sync
+    trainer with its endpoint in this process): the logged tool metrics are the model's calls, and the run's MLflow
+    traces (a real server) show each model call as a chat-model span with its prompt, token counts, sampling
+    parameters and policy version, each tool call as a tool span under the call that made it."""
+    from mlflow import MlflowClient
+
+    from grpo.tracking.tracker import MlflowCallback, MlflowTracker
+
+    _register_chat_agent()
+    model_dir, data_file = tool_caller
+    trainer = micro_trainer(tmp_path, {
+        "model.name_or_path": model_dir, "data.source": data_file, "data.prompt_format": "chat",
+        "environment.agent": "test_chat_calculator_agent", "model.warm_start.steps": 0, "grpo.temperature": 0.3,
+        "grpo.reward_funcs": "[env_reward]", "grpo.max_completion_length": 96, "grpo.per_device_train_batch_size": 4,
+        "grpo.num_generations": 4, "grpo.max_steps": 2, "grpo.logging_steps": 1, "grpo.save_steps": 100,
+        "environment.trace_episodes_per_log": 2})
+    tracker = MlflowTracker(mlflow_server.uri, tmp_path / "spool", flush_interval=0.2, max_backoff=1.0,
+                            http_timeout=5.0)
+    run_id = tracker.start("chat-agent", "grpo-chat-agent-test")
+    trainer.add_callback(MlflowCallback(tracker))
+    trainer.train()
+    tracker.close(timeout=30)
+    logged = [entry for entry in trainer.state.log_history if "env/turns/mean" in entry]
+    assert len(logged) == 2 and all(entry["env/errors"] == 0 for entry in logged), logged
+    assert all(entry["env/tools/calculator/calls"] > 0 and entry["env/tools/call_frequency"] > 0 for entry in logged)
+    assert all(entry["env/refused_calls"] == 0 and entry["env/turns/mean"] > 1 for entry in logged), logged
+
+    client = MlflowClient(mlflow_server.uri)
+    experiment = client.get_run(run_id).info.experiment_id
+    traces = client.search_traces(locations=[experiment], run_id=run_id, max_results=10)
+    assert len(traces) == 4  # 2 a logging interval
+    tool_spans = 0
+    for trace in traces:
+        spans = trace.data.spans
+        [root] = [s for s in spans if s.parent_id is None]
+        calls = [s for s in spans if s.span_type == "CHAT_MODEL"]
+        assert root.name == "agent" and root.attributes["refused_calls"] == 0 and len(calls) == root.attributes["turns"]
+        for call in calls:
+            assert call.parent_id == root.span_id and call.inputs["prompt"].startswith(root.inputs["prompt"])
+            assert call.attributes["route"] == "chat/completions" and call.attributes["temperature"] == 0.3
+            assert call.attributes["prompt_tokens"] > 200 and call.attributes["completion_tokens"] > 0
+            assert call.attributes["policy_version"] == root.attributes["step"] - 1  # the sync trainer's weights
+        for tool in (s for s in spans if s.span_type == "TOOL"):
+            [call] = [c for c in calls if c.span_id == tool.parent_id]
+            assert tool.name == "calculator" and "calculator" in call.attributes["tool_calls"]
+            tool_spans += 1
+    assert tool_spans > 0

@@ -338,9 +338,64 @@ for coef in (None, 1.0):
     assert host._balancing
     by_coef[str(coef)] = host._rebalance(dict(lb))["row_id"].tolist()
 
+# Per-call samples (grpo.training.call_samples) on the same host: rank 0's episodes have 4 earlier samples, one in a
+# group replay replaced (left out), rank 1's one; each rank appends 3 rows (rank 1 two zero-weight fillers), the loss
+# tokens of every rank's rows are counted, the micro-batches are as large on both ranks, and balancing exchanges the
+# episodes' groups while the appended rows stay on their rank.
+from grpo.algo.group_balancing import BALANCED_ROWS
+from grpo.environments.episodes import Sample
+from grpo.training.call_samples import CallSamples, split_rows
+
+def gather(t):
+    out = [torch.zeros_like(t) for _ in range(world)]
+    dist.all_gather(out, t)
+    return torch.cat(out)
+
+def reduce(t, reduction):
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+class SampleHost(CallSamples, Host):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.accelerator = SimpleNamespace(process_index=rank, num_processes=world, gather=gather, reduce=reduce)
+        self._tokenizer = self.processing_class
+
+host = SampleHost(cfg)
+host._episode_samples = [[] for _ in range(12)]
+if rank == 0:
+    host._episode_samples[0] = [Sample([7, 7], [5, 6, 7], [1, 0, 1], [-0.1, 0.0, -0.3])]
+    host._episode_samples[5] = [Sample([8], [9, 9], [1, 1], [-0.2, -0.2]), Sample([8, 8, 8], [4], [1], [-0.5])]
+    host._episode_samples[9] = [Sample([6], [6], [1], [-0.6])]
+else:
+    host._episode_samples[11] = [Sample([3], [2, 2, 2, 2], [1, 1, 0, 0], [-1.0, -1.0, 0.0, 0.0])]
+episodes = {k: v for k, v in lb.items() if k != "row_id"}
+episodes.update(advantages=torch.arange(12.0) + 100 * rank, tool_mask=torch.ones_like(cmask),
+                num_items_in_batch=torch.tensor(0.0))
+appended = host._append_call_samples(episodes, [slice(8, 12)] if rank == 0 else [])
+
+def appended_rows(b):
+    out = []
+    for i in range(12, b["completion_ids"].shape[0]):
+        size = int(b["completion_mask"][i].sum())
+        out.append({"prompt": b["prompt_ids"][i][b["prompt_mask"][i].bool()].tolist(),
+                    "completion": b["completion_ids"][i][:size].tolist(), "tokens": size,
+                    "tool_mask": b["tool_mask"][i][:size].tolist(), "advantage": float(b["advantages"][i])})
+    return out
+
+extra = appended_rows(appended)
+balanced = host._rebalance(appended)
+samples = {"rows": int(appended["completion_ids"].shape[0]), "appended": host._call_sample_rows, "extra": extra,
+           "normaliser": float(appended["num_items_in_batch"]),
+           "micro": [part[BALANCED_ROWS] for part in split_rows(appended, 2)],
+           "balanced_rows": int(balanced["completion_ids"].shape[0]),
+           "tail_kept": appended_rows(balanced) == extra}
+
 gathered = [None] * world
 dist.all_gather_object(gathered, {"before": rows(batch), "after": rows(out), "metrics": metrics,
-                                  "normaliser": float(out["num_items_in_batch"]), "by_coef": by_coef})
+                                  "normaliser": float(out["num_items_in_batch"]), "by_coef": by_coef,
+                                  "samples": samples})
 if rank == 0:
     json.dump(gathered, open(sys.argv[1], "w"))
 dist.destroy_process_group()
@@ -382,6 +437,22 @@ def test_torchrun_rebalance_groups_moves_whole_groups_and_loses_no_row(tmp_path)
     metrics = ranks[0]["metrics"]
     assert metrics == ranks[1]["metrics"]
     assert metrics["balance/imbalance"] < metrics["balance/imbalance_unbalanced"]
+
+    # per-call samples: 3 rows appended on each rank (rank 1: its one sample and two fillers, no loss token), the
+    # replaced group's sample left out; one loss-token count over both ranks; micro-batches as large on both ranks
+    one, two = (rank["samples"] for rank in ranks)
+    assert one["extra"] == [
+        {"prompt": [7, 7], "completion": [5, 6, 7], "tokens": 3, "tool_mask": [1, 0, 1], "advantage": 0.0},
+        {"prompt": [8], "completion": [9, 9], "tokens": 2, "tool_mask": [1, 1], "advantage": 5.0},
+        {"prompt": [8, 8, 8], "completion": [4], "tokens": 1, "tool_mask": [1], "advantage": 5.0}]
+    assert two["extra"][0] == {"prompt": [3], "completion": [2, 2, 2, 2], "tokens": 4, "tool_mask": [1, 1, 0, 0],
+                               "advantage": 111.0}
+    assert [(e["tokens"], e["advantage"]) for e in two["extra"][1:]] == [(0, 0.0), (0, 0.0)]
+    lengths = 12 * 8 + 2 * (1 + 1 + 1 + 21) + 4 * 2  # the episodes' rows
+    for rank in (one, two):
+        assert (rank["rows"], rank["appended"], rank["micro"]) == (15, 3, [8, 7])
+        assert rank["normaliser"] == lengths + (2 + 2 + 1) + 2  # the extra rows' sampled tokens, not the fillers'
+        assert rank["balanced_rows"] == 15 and rank["tail_kept"]
 
 
 DECIDE_SCRIPT = """

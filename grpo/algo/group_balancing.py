@@ -22,7 +22,8 @@ Batch = dict[str, Any]
 BALANCED_ROWS = "balanced_rows"
 
 
-def _per_sample_keys(batch: Batch) -> list[str]:
+def per_sample_keys(batch: Batch) -> list[str]:
+    """The keys of ``batch`` holding one entry per row (tensors whose first dimension is the row count)."""
     n = batch["completion_ids"].shape[0]
     return [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n]
 
@@ -34,7 +35,9 @@ def _pad_to(t: torch.Tensor, width: int, left: bool, value: float) -> torch.Tens
     return torch.cat([pad, t], 1) if left else torch.cat([t, pad], 1)
 
 
-def _concat(parts: list[Batch], keys: list[str], pad_token_id: int) -> Batch:
+def concat_rows(parts: list[Batch], keys: list[str], pad_token_id: int) -> Batch:
+    """The rows of ``parts`` one after another (their ``keys``, per-row tensors), each width padded as TRL pads it:
+    prompts on the left, completions and per-token values on the right."""
     out: Batch = {}
     for k in keys:
         tensors = [p[k] for p in parts]
@@ -52,11 +55,11 @@ def rebalance_groups(
     quadratic_coef: float | None = None,
 ) -> tuple[Batch, dict[str, float]]:
     """Exchange groups between ranks so each holds a balanced token load; returns this rank's batch and metrics."""
-    keys = _per_sample_keys(batch)
+    keys = per_sample_keys(batch)
     local = {k: batch[k].detach().cpu() for k in keys}
     gathered: list[Batch | None] = [None] * world_size
     dist.all_gather_object(gathered, local)
-    full = _concat(gathered, keys, pad_token_id)
+    full = concat_rows(gathered, keys, pad_token_id)
 
     prompt_len = full["prompt_mask"].sum(1).numpy()
     completion_len = full["completion_mask"].sum(1).numpy()
@@ -82,7 +85,7 @@ def split_by_token_budget(batch: Batch, num_micro_batches: int) -> list[Batch]:
     gets zero-weight copies, so it still runs the same number of forward/backward passes as the others). Row counts
     differ between micro-batches (and ranks); each records its real rows under ``BALANCED_ROWS`` so the loss can
     weight it like the equal-row micro-batches of the unbalanced step."""
-    keys = _per_sample_keys(batch)
+    keys = per_sample_keys(batch)
     tokens = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)).tolist()
     parts = balanced_micro_batches(tokens, num_micro_batches) if len(tokens) >= num_micro_batches else (
         [[i] for i in range(len(tokens))] + [[] for _ in range(num_micro_batches - len(tokens))]

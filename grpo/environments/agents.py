@@ -15,9 +15,13 @@ starts the agent on its own thread and returns its first call's prompt (the epis
 samples the waiting call in the runner's batched ``generate`` beside every other live episode, ``step`` answers
 the call and returns the next call's appended text as environment tokens (``env_mask`` 0, log-prob
 :data:`~grpo.environments.episodes.ENV_LOGPROB`), and the agent's return ends the episode with its reward. So an
-episode is one sequence, masked as text-protocol episodes are, and its faults are environment faults: an agent that
+episode whose calls extend each other is one sequence, masked as text-protocol episodes are; a call that does not
+(the agent rewrote its history) starts the episode's next sample (:class:`~grpo.environments.base.Restart`), each
+sample training as a row of its own with the episode's reward. Its faults are environment faults: an agent that
 raises, or takes longer than ``environment.step_timeout`` to make its next call or return, gives its episode a NaN
-reward and the round goes on. Its calls are the episode's turns (``env/turns/mean`` is calls per episode).
+reward and the round goes on. Its calls are the episode's turns (``env/turns/mean`` is calls per episode), a chat
+answer's OpenAI ``tool_calls`` the episode's tool calls (``env/tools/*``), and each call, answered or refused, is
+recorded in :attr:`AgentEnvironment.model_calls` for the episode's trace and ``env/refused_calls``.
 """
 
 from __future__ import annotations
@@ -26,12 +30,13 @@ import asyncio
 import inspect
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 from grpo.environments import MODULES_ENV, register_environment
-from grpo.environments.base import ConcurrencyLimit, Environment, StepResult, Tokens
+from grpo.environments.base import ConcurrencyLimit, Environment, Restart, StepResult, Tokens, ToolCall
 from grpo.registry import Registry
 
 AGENTS_ENTRY_POINT_GROUP = "grpo.agents"
@@ -142,14 +147,20 @@ class AgentEnvironment(Environment):
     """Runs a registered agent's episodes (set by environment.agent); see grpo.environments.agents.
 
     ``agent``: the agent's registered name; ``max_sessions`` bounds the episodes live at once in a process (their
-    agents' calls waiting on the endpoint), None: no bound."""
+    agents' calls waiting on the endpoint), None: no bound; other ``options`` go to the agent's ``configure``
+    method, which returns the agent bound to them (the ``verifiers`` agent's ``taskset``)."""
 
     replaces_prompt = True  # the agent's first prompt is the episode's prompt
     eos_ends_turn = True  # the agent, not the end-of-sequence token, ends its episode
 
-    def __init__(self, agent: str, max_sessions: int | None = None) -> None:
+    def __init__(self, agent: str, max_sessions: int | None = None, **options: Any) -> None:
         self.agent_name = agent
         self.agent = get_agent(agent)
+        if options:  # the agent's own options (environment.kwargs beside agent): its ``configure`` binds them
+            configure = getattr(self.agent, "configure", None)
+            if configure is None:
+                raise ValueError(f"agent {agent!r} takes no options; got {', '.join(sorted(options))}")
+            self.agent = configure(**options)
         self.default_reward = getattr(self.agent, "default_reward", None)
         if max_sessions is not None and max_sessions < 1:
             raise ValueError(f"agent: max_sessions must be >= 1, got {max_sessions}")
@@ -158,6 +169,9 @@ class AgentEnvironment(Environment):
         self.tokenizer: Any = None
         self.sampling: dict[str, Any] | None = None
         self.session: Any = None
+        self.model_calls: list[dict[str, Any]] = []  # the episode's calls, answered and refused (Episode.model_calls)
+        self._answered: tuple[float, list[str], set[str]] | None = None  # the last answer's time and tool calls
+        self._refused_seen = 0
 
     def use_runner(self, tokenizer: Any, generate: Any) -> None:
         """The runner's tokenizer (the endpoint tokenises what the agent appends with it) and its ``generate``'s
@@ -180,6 +194,7 @@ class AgentEnvironment(Environment):
         if self.tokenizer is None:
             raise RuntimeError("agent: the runner gave no tokenizer (use_runner)")
         self.session = endpoint().open(self.tokenizer, self.sampling)
+        self.model_calls, self._answered, self._refused_seen = [], None, 0
         _THREADS.submit(partial(_run_agent, self.agent, self.session, dict(row)))
         call = self.session.wait()
         if call is None:
@@ -188,23 +203,57 @@ class AgentEnvironment(Environment):
 
     def record_turn(self, ids: Sequence[int], logprobs: Sequence[float] | None, ended: str | None) -> None:
         """Answer the call at once, in the runner's thread, so every agent of the turn gets its completion (and
-        starts its tools) together, whatever the step pool's size; ``step`` then only waits for the next call."""
+        starts its tools) together, whatever the step pool's size; ``step`` then only waits for the next call. The
+        call is recorded for the episode's trace (:attr:`model_calls`), and a chat answer's tool calls for ``step``."""
         text = self.tokenizer.decode(list(ids), skip_special_tokens=True)  # the runner's ``step`` text
-        self.session.complete(text, ids, logprobs, "length" if ended in (None, "length") else "stop")
+        call, finish = self.session.current, "length" if ended in (None, "length") else "stop"
+        message = self.session.complete(text, ids, logprobs, finish)
+        if call is None:
+            return
+        self._take_refused()
+        names = [str(c["function"]["name"]) for c in (message or {}).get("tool_calls", [])]
+        offered = {str((t.get("function") or {}).get("name")) for t in call.tools or [] if isinstance(t, dict)}
+        self.model_calls.append({
+            "prompt_tokens": len(call.prompt_ids), "completion_tokens": len(ids), "finish_reason": finish,
+            "route": "completions" if call.messages is None else "chat/completions", "max_tokens": call.max_tokens,
+            "stop": list(call.stop), **(self.sampling or {}), "tool_calls": names,
+            **({"restart": True} if getattr(call, "restart", False) else {})})
+        self._answered = (time.time(), names, offered)
+
+    def _take_refused(self) -> None:
+        """The session's refused calls not yet recorded, in :attr:`model_calls` in the order they came."""
+        refused = self.session.refused[self._refused_seen:]
+        self._refused_seen += len(refused)
+        self.model_calls.extend({"refused": message, "status": status, "time": at} for at, status, message in refused)
+
+    def _tool_calls(self, call: Any) -> tuple[ToolCall, ...]:
+        """The tool calls of the chat answer just given (OpenAI ``tool_calls``), as the episode's tool calls: a name
+        the call's ``tools`` offered is ``ok``, another ``unknown``. The agent runs them, so the endpoint sees neither
+        their failures nor their own latency: each takes an equal share of the time from the answer to the agent's
+        next call (or its return)."""
+        answered, self._answered = self._answered, None
+        if answered is None or not answered[1]:
+            return ()
+        at, names, offered = answered
+        share = max(0.0, (call.started if call is not None else time.time()) - at) / len(names)
+        return tuple(ToolCall(name, "ok" if name in offered else "unknown", share) for name in names)
 
     def step(self, action: str) -> StepResult:
         call = self.session.wait()
+        tool_calls = self._tool_calls(call)
         if call is not None:
-            return StepResult(Tokens(call.suffix_text, call.suffix_ids), False)
+            observation = (Restart if call.restart else Tokens)(call.suffix_text, call.suffix_ids)
+            return StepResult(observation, False, None, tool_calls)
         if self.session.error is not None:
             raise RuntimeError(self.session.error)
-        return StepResult(None, True, self.session.reward)
+        return StepResult(None, True, self.session.reward, tool_calls)
 
     def close(self) -> None:
         from grpo.environments.endpoint import endpoint
 
         if self.session is not None:
             endpoint().close(self.session)
+            self._take_refused()
 
 
 __all__ = ["AGENTS", "AGENTS_ENTRY_POINT_GROUP", "AgentEnvironment", "available_agents", "get_agent",

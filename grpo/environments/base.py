@@ -62,6 +62,19 @@ class Tokens(NamedTuple):
         return self.text
 
 
+class Restart(NamedTuple):
+    """An observation that starts the episode's next sample: the sequence so far (prompt, completion, masks and
+    log-probs as recorded) is kept whole as an earlier sample of the episode, and the episode goes on from ``ids``,
+    its new prompt, appended as given. An agent whose call does not extend its previous call's prompt and completion
+    (it rewrote its history) continues this way: each such call is a sample of its own with the episode's reward."""
+
+    text: str
+    ids: Sequence[int]
+
+    def __str__(self) -> str:
+        return self.text
+
+
 class StepResult(NamedTuple):
     """What ``step`` returns: the text appended for the model (None or "" for nothing), whether the episode is over,
     this step's reward (None: no reward from this step; an episode's rewards are summed), and the tool calls the step

@@ -18,9 +18,14 @@ Rules a call meets (each refusal one HTTP error whose ``error.message`` says why
   ``include_stop_str_in_output``: the sampled tokens are kept, so the text shows them);
 * the model is ``policy`` (404 for another name); an unknown session is 404; a call after its episode ended is 409,
   as is a second call while one is waiting;
-* a call's prompt must extend the episode's previous prompt and completion (a string prompt as text, a token-id
-  prompt as ids): only the appended part is tokenised, so nothing the model wrote is ever re-tokenised. A prompt that
-  rewrites history is refused with 400 and ends its episode as an error (per-call samples are not supported yet).
+* a call whose prompt extends the episode's previous prompt and completion (a string prompt as text, a token-id
+  prompt as ids, a chat's messages as the previous call's messages and its answer) continues the episode's sequence:
+  only the appended part is tokenised, so nothing the model wrote is ever re-tokenised. A call that does not (the
+  agent rewrote its history) starts the episode's next sample (:class:`~grpo.environments.base.Restart`): the
+  sequence so far trains as a sample of its own with the episode's reward (Agent Lightning's per-call transitions),
+  and the new call's prompt is tokenised whole (a token-id prompt kept as given).
+* ``stream: true`` is served whole, once sampled: the completion as one chunk, then its finish reason, the usage
+  (``stream_options.include_usage``) and ``[DONE]`` (chat programs such as verifiers' stream every call).
 
 ``grpo serve-model`` (:mod:`grpo.training.model_server`) serves a saved model without sessions through the same
 server start (:func:`start_server`), request parsing (:func:`parse_call`) and response bodies
@@ -103,6 +108,7 @@ class Call:
     started: float = field(default_factory=time.time)
     messages: list[dict[str, Any]] | None = None  # a chat call's conversation (normalised), None for a completion
     tools: list[dict[str, Any]] | None = None
+    restart: bool = False  # it does not extend the episode's sequence: the episode's next sample starts with it
 
 
 class Session:
@@ -119,9 +125,10 @@ class Session:
         self.ended = False
         self.finished = False  # the agent returned or raised
         self.reward: float | None = None
-        self.error: str | None = None  # the agent's failure, or a refused history rewrite
+        self.error: str | None = None  # the agent's failure
         self.messages: list[dict[str, Any]] | None = None  # chat: the last call's conversation and its answer
         self.tools: list[dict[str, Any]] | None = None
+        self.refused: list[tuple[float, int, str]] = []  # its calls answered with an error: (time, status, message)
 
     # ---- the server's side
 
@@ -137,27 +144,20 @@ class Session:
                answer: Callable[[dict[str, Any] | EndpointError], None]) -> None:
         with self.cv:
             self._check_accepting()
-            if self.messages is not None:
-                self._rewrote()  # a completion after chat calls: no text to extend
+            held = self.text if self.messages is None else None  # after chat calls: no text to extend
             if isinstance(prompt, str):
-                held = self.text
-                if held is None or not prompt.startswith(held):
-                    if held is not None:
-                        self._rewrote()
-                    held = ""
-                suffix_text = prompt[len(held):]
+                extends = held is not None and prompt.startswith(held)
+                suffix_text = prompt[len(held):] if extends else prompt
                 suffix_ids = _encode(self.tokenizer, suffix_text) if suffix_text else []
-                prefix_ids = self.ids if held else []
                 prompt_text = prompt
             else:
-                if self.text is not None and list(prompt[:len(self.ids)]) != self.ids:
-                    self._rewrote()
-                prefix_ids = self.ids if self.text is not None else []
-                suffix_ids = list(prompt[len(prefix_ids):])
+                extends = held is not None and list(prompt[:len(self.ids)]) == self.ids
+                suffix_ids = list(prompt[len(self.ids):]) if extends else list(prompt)
                 suffix_text = _decode(self.tokenizer, suffix_ids)
-                prompt_text = (self.text or "") + suffix_text
+                prompt_text = held + suffix_text if extends else suffix_text
+            prefix_ids = self.ids if extends else []
             self.pending = Call(prompt_text, prefix_ids + suffix_ids, suffix_text, suffix_ids, stop, max_tokens,
-                                want_logprobs, answer)
+                                want_logprobs, answer, restart=self.text is not None and not extends)
             self.cv.notify_all()
 
     def submit_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, stop: tuple[str, ...],
@@ -165,34 +165,26 @@ class Session:
                     answer: Callable[[dict[str, Any] | EndpointError], None]) -> None:
         """A chat call: the conversation rendered with the tokenizer's chat template (and ``tools``). A later call
         extends the episode when its messages start with the previous call's messages and the assistant message it
-        was answered with; only what the template writes after that assistant turn is tokenised."""
+        was answered with; only what the template writes after that assistant turn is tokenised. Another call (other
+        messages or tools, or a chat call after completions) starts the episode's next sample, rendered whole."""
         from grpo.environments.chat import turn_suffix_text
 
         with self.cv:
             self._check_accepting()
-            if self.text is not None and self.messages is None:
-                self._rewrote()  # a chat call after completions: no conversation to extend
-            if self.messages is None:
+            held = len(self.messages) if self.messages is not None else 0
+            if self.messages is None or tools != self.tools or messages[:held] != self.messages \
+                    or len(messages) == held:
                 text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                                           **({"tools": tools} if tools else {}))
                 prompt_ids = _encode(self.tokenizer, text)
                 self.pending = Call(text, prompt_ids, text, prompt_ids, stop, max_tokens, want_logprobs, answer,
-                                    messages=messages, tools=tools)
+                                    messages=messages, tools=tools, restart=self.text is not None)
             else:
-                held = len(self.messages)
-                if tools != self.tools or messages[:held] != self.messages or len(messages) == held:
-                    self._rewrote()
                 suffix = turn_suffix_text(self.tokenizer, messages[held:], tools)
                 suffix_ids = _encode(self.tokenizer, suffix)
                 self.pending = Call(self.text + suffix, self.ids + suffix_ids, suffix, suffix_ids, stop, max_tokens,
                                     want_logprobs, answer, messages=messages, tools=tools)
             self.cv.notify_all()
-
-    def _rewrote(self) -> None:
-        self.error = ("the agent's prompt does not extend its previous call's prompt and completion (history "
-                      "rewritten); per-call samples are not supported yet: keep each prompt a continuation")
-        self.cv.notify_all()
-        raise EndpointError(400, f"session {self.id}: {self.error}")
 
     # ---- the runner's side
 
@@ -214,14 +206,18 @@ class Session:
                 self.error = error
             self.cv.notify_all()
 
-    def complete(self, text: str, ids: Sequence[int], logprobs: Sequence[float] | None, finish: str) -> None:
+    def complete(self, text: str, ids: Sequence[int], logprobs: Sequence[float] | None,
+                 finish: str) -> dict[str, Any] | None:
         """Answer the call being sampled with the turn the runner kept (the session's state first: the agent's next
-        call may arrive as soon as it reads the answer)."""
+        call may arrive as soon as it reads the answer). A chat call's parsed assistant message is returned (its
+        ``tool_calls`` are the episode's tool calls), else None."""
+        message = None
         with self.cv:
             call, self.current = self.current, None
             if call is None:
-                return
+                return None
             self.text, self.ids = call.prompt_text + text, call.prompt_ids + list(ids)
+            self.messages, self.tools = None, None  # a chat call's conversation is set below once parsed
             if call.messages is None:
                 body: dict[str, Any] | EndpointError = completion_body(self.tokenizer, call, text, list(ids), logprobs,
                                                                        finish, SERVED_MODEL, f"cmpl-{self.id}")
@@ -233,7 +229,9 @@ class Session:
                 except Exception as err:  # noqa: BLE001 - a parser that fails answers the agent, not the runner
                     body = EndpointError(500, f"the completion could not be parsed: {type(err).__name__}: {err}",
                                          "server_error")
+                    self.refused.append((time.time(), body.status, body.message))
         call.answer(body)
+        return message
 
     def end(self) -> None:
         """The episode is over: later calls get 409, a call still waiting is refused, the runner's wait returns."""
@@ -395,12 +393,13 @@ class Endpoint:
     async def _serve(self, request, chat: bool):
         from starlette.responses import JSONResponse
 
+        session = None
         try:
             session = self._session(request.path_params["sid"])
             body = await read_body(request)
             check_model(body, SERVED_MODEL)
             check_sampling(body, session.sampling)
-            call = parse_call(body, chat, "capped by the episode's tokens left")
+            call = parse_call(body, chat, "capped by the episode's tokens left", streams=True)
             answer, future = answer_future()
             if chat:
                 session.submit_chat(call.messages, call.tools, call.stop, call.max_tokens, call.want_logprobs,
@@ -409,8 +408,17 @@ class Endpoint:
                 session.submit(call.prompt, call.stop, call.max_tokens, call.want_logprobs, answer)
             value = await future
         except EndpointError as err:
+            if session is not None:  # the episode's trace and env/refused_calls show it
+                session.refused.append((time.time(), err.status, err.message))
             return error_response(err)
-        return JSONResponse(value) if not isinstance(value, EndpointError) else error_response(value)
+        if isinstance(value, EndpointError):
+            return error_response(value)
+        if call.stream:
+            from starlette.responses import Response
+
+            return Response(stream_events(value, bool((body.get("stream_options") or {}).get("include_usage"))),
+                            media_type="text/event-stream")
+        return JSONResponse(value)
 
 
 def start_server(routes: list, host: str, port: int, name: str) -> tuple[Any, int]:
@@ -446,7 +454,8 @@ def start_server(routes: list, host: str, port: int, name: str) -> tuple[Any, in
 @dataclass
 class Request:
     """A call's request body, checked: ``prompt`` (a completion's: text or ids) or ``messages`` and ``tools`` (a
-    chat's, normalised), ``stop``, ``max_tokens`` (None: unset), ``want_logprobs``."""
+    chat's, normalised), ``stop``, ``max_tokens`` (None: unset), ``want_logprobs``, ``stream`` (answer as server-sent
+    events)."""
 
     prompt: str | list[int] | None
     messages: list[dict[str, Any]] | None
@@ -454,6 +463,7 @@ class Request:
     stop: tuple[str, ...]
     max_tokens: int | None
     want_logprobs: bool
+    stream: bool = False
 
 
 async def read_body(request: Any) -> dict[str, Any]:
@@ -475,10 +485,10 @@ def check_model(body: Mapping[str, Any], served: str) -> None:
                             "not_found_error")
 
 
-def parse_call(body: Mapping[str, Any], chat: bool, max_tokens_cap: str) -> Request:
+def parse_call(body: Mapping[str, Any], chat: bool, max_tokens_cap: str, streams: bool = False) -> Request:
     """The parts of a completion (``chat`` False) or chat completion request every server reads alike; a malformed
-    one is a 400 (``max_tokens_cap`` says what caps ``max_tokens`` in its message). Sampling parameters and the
-    model name are each server's to check."""
+    one is a 400 (``max_tokens_cap`` says what caps ``max_tokens`` in its message; ``streams``: ``stream: true`` is
+    served, else refused). Sampling parameters and the model name are each server's to check."""
     stop = body.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if not all(isinstance(s, str) for s in stop):
@@ -486,21 +496,48 @@ def parse_call(body: Mapping[str, Any], chat: bool, max_tokens_cap: str) -> Requ
     max_tokens = body.get("max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise EndpointError(400, f"max_tokens={max_tokens!r}: a positive integer ({max_tokens_cap})")
-    if body.get("stream"):
+    stream = bool(body.get("stream"))
+    if stream and not streams:
         raise EndpointError(400, "stream=true is not served: each call returns whole")
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise EndpointError(400, "messages: a non-empty list of messages")
         return Request(None, [normalise_message(m) for m in messages], body.get("tools") or None, stop, max_tokens,
-                       bool(body.get("logprobs")))
+                       bool(body.get("logprobs")), stream)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
                                         and all(isinstance(t, int) for t in prompt))):
         raise EndpointError(400, "prompt: one string or one list of token ids")
-    return Request(prompt, None, None, stop, max_tokens, body.get("logprobs") is not None)
+    return Request(prompt, None, None, stop, max_tokens, body.get("logprobs") is not None, stream)
+
+
+def stream_events(body: Mapping[str, Any], include_usage: bool) -> bytes:
+    """A whole (chat) completion ``body`` as the server-sent events of a stream: one chunk with the completion (its
+    message as the delta, tool calls indexed; vLLM's ``token_ids`` kept), one with the finish reason, the usage
+    chunk when asked, ``[DONE]``."""
+    import json
+
+    chunk_object = "chat.completion.chunk" if body["object"] == "chat.completion" else "text_completion"
+    head = {k: body[k] for k in ("id", "created", "model")} | {"object": chunk_object}
+    choice = dict(body["choices"][0])
+    finish = choice.pop("finish_reason")
+    if "message" in choice:
+        message = choice.pop("message")
+        delta: dict[str, Any] = {"role": "assistant", "content": message["content"]}
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+        choice["delta"] = delta
+    chunks = [{**head, "choices": [{**choice, "finish_reason": None}]},
+              {**head, "choices": [{"index": 0, "finish_reason": finish,
+                                    **({"delta": {}} if "delta" in choice else {"text": ""})}]}]
+    if "prompt_token_ids" in body:
+        chunks[0]["prompt_token_ids"] = body["prompt_token_ids"]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": body["usage"]})
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
 
 def answer_future() -> tuple[Callable[[dict[str, Any] | EndpointError], None], asyncio.Future]:
@@ -544,4 +581,5 @@ def endpoint() -> Endpoint:
 
 __all__ = ["SERVED_MODEL", "Call", "Endpoint", "EndpointError", "Request", "Session", "answer_future", "chat_body",
            "check_model", "check_sampling", "completion_body", "endpoint", "error_response", "models_response",
-           "normalise_message", "parse_call", "read_body", "sampling_params", "set_chat_parser", "start_server"]
+           "normalise_message", "parse_call", "read_body", "sampling_params", "set_chat_parser", "start_server",
+           "stream_events"]

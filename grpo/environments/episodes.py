@@ -36,8 +36,11 @@ An environment may also set, per turn, ``stop_strings`` and ``turn_budget`` (rea
 brings its own ``stop`` and ``max_tokens``; a turn cut by ``turn_budget`` is stepped with ``length``, not ended),
 ``replaces_prompt`` (``reset``'s observation is the whole prompt), ``use_runner(tokenizer, generate)`` (called once
 before the episodes start), ``record_turn(ids, logprobs, ended)`` (the turn's kept ids as sampled, before the step)
-and observations as :class:`~grpo.environments.base.Tokens` (ids appended as given): what
-:class:`grpo.environments.agents.AgentEnvironment` needs to serve an agent's calls from this runner.
+and observations as :class:`~grpo.environments.base.Tokens` (ids appended as given) or
+:class:`~grpo.environments.base.Restart` (the sequence so far becomes an earlier sample of the episode,
+``Episode.samples``, and the episode goes on from the given ids as its new prompt, with its own
+``max_completion_length``): what :class:`grpo.environments.agents.AgentEnvironment` needs to serve an agent's calls
+from this runner, an agent that rewrites its history included.
 
 The result depends only on the inputs: steps are collected by episode, whichever finishes first, and each turn's
 batch lists the live episodes in their order.
@@ -54,7 +57,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from grpo.environments.base import Environment, StepResult, Tokens
+from grpo.environments.base import Environment, Restart, StepResult, Tokens
 
 GenerateFn = Callable[[list[list[int]], list[int], tuple[str, ...]],
                       Sequence[tuple[Sequence[int], Sequence[float] | None]]]
@@ -72,12 +75,26 @@ STOP_REASONS = ("eos", "done", "max_turns", "max_tokens", "error")
 
 
 @dataclass
+class Sample:
+    """An earlier sample of an episode (:class:`~grpo.environments.base.Restart`): its prompt and completion ids,
+    ``env_mask`` and sampling log-probs as the runner recorded them; it trains as a row of its own with its episode's
+    reward."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    env_mask: list[int]
+    logprobs: list[float] | None
+
+
+@dataclass
 class Episode:
     """One rollout. ``prompt_ids`` are the given prompt's ids plus those of ``reset``'s observation, if any.
     ``tool_calls`` / ``tool_failures`` count calls of the environment's tools by name; a call naming no tool of the
     environment counts in ``unknown_tool_calls`` only. ``reward`` is the sum of the steps' rewards (the environment's
     ``default_reward`` when none gave one; NaN on an error). ``transcript`` is the completion as ``(source, text)``
-    segments, ``source`` ``model`` or ``env``. ``tool_seconds`` (wall clock per tool) is left out of comparisons."""
+    segments, ``source`` ``model`` or ``env``. ``tool_seconds`` (wall clock per tool) is left out of comparisons.
+    ``prompt_ids`` / ``completion_ids`` / ``logprobs`` / ``env_mask`` are the episode's last sample (what the reward
+    functions score); ``samples`` its earlier ones, in order (empty unless the environment restarted the sequence)."""
 
     prompt_ids: list[int]
     completion_ids: list[int] = field(default_factory=list)
@@ -91,6 +108,7 @@ class Episode:
     reward: float | None = None
     error: str | None = None
     transcript: list[tuple[str, str]] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
     tool_seconds: dict[str, float] = field(default_factory=dict, compare=False)
     environment: str | None = None
     """The registered name of the episode's environment, set by whoever chose it (for per-environment metrics)."""
@@ -104,6 +122,11 @@ class Episode:
     """Each model turn's wall-clock times (``time.time()`` seconds) as ``(generate start, generate end, step start,
     step end)``: the batched ``generate`` call that wrote it and its environment step (both ends the generate end
     for a turn not stepped), so the episode's trace shows what each turn and tool took."""
+    model_calls: list[dict[str, Any]] = field(default_factory=list, compare=False)
+    """An agent's calls in order, for its trace and metrics: each answered call (one per turn: ``prompt_tokens``,
+    ``completion_tokens``, ``finish_reason``, ``route``, ``max_tokens``, ``stop``, the sampling parameters,
+    ``tool_calls`` names) and each refused one (``refused``: the error's message, ``status``, ``time``); the
+    environment's ``model_calls`` list at the episode's end (empty for an environment without one)."""
 
     @property
     def truncated(self) -> bool:
@@ -112,12 +135,27 @@ class Episode:
 
     @property
     def env_tokens(self) -> int:
-        return len(self.env_mask) - sum(self.env_mask)
+        """Environment tokens (``env_mask`` 0) over the episode's samples."""
+        return sum(len(mask) - sum(mask) for mask in self._masks())
 
     @property
     def model_tokens(self) -> int:
-        """The model's tokens kept in the completion (``env_mask`` 1)."""
-        return sum(self.env_mask)
+        """The model's tokens kept in the completion (``env_mask`` 1), over the episode's samples."""
+        return sum(sum(mask) for mask in self._masks())
+
+    @property
+    def first_prompt_ids(self) -> list[int]:
+        """The prompt the model saw first: the first sample's (the transcript starts after it)."""
+        return self.samples[0].prompt_ids if self.samples else self.prompt_ids
+
+    def _masks(self) -> list[list[int]]:
+        return [s.env_mask for s in self.samples] + [self.env_mask]
+
+    def _restart(self, prompt_ids: list[int]) -> None:
+        """Keep the sequence so far as an earlier sample and go on from ``prompt_ids`` with an empty completion."""
+        self.samples.append(Sample(self.prompt_ids, self.completion_ids, self.env_mask, self.logprobs))
+        self.prompt_ids, self.completion_ids, self.env_mask = prompt_ids, [], []
+        self.logprobs = None if self.logprobs is None else []
 
     def _append(self, ids: Sequence[int], logprobs: Sequence[float] | None, source: int) -> None:
         self.completion_ids.extend(ids)
@@ -425,6 +463,10 @@ def run_episodes(
                             ep.transcript.append(("env", str(result.observation or "")))
                 elif ep.turns >= max_turns:
                     ep.stop_reason = "max_turns"
+                elif isinstance(result.observation, Restart):  # a new sample: the budget is its own
+                    ep._restart(list(result.observation.ids))
+                    ep.transcript.append(("env", result.observation.text))
+                    live.append(i)
                 else:
                     if (obs := observation_ids(ep, result.observation)) is None:
                         continue
@@ -444,6 +486,8 @@ def run_episodes(
         pool.close()
 
     for ep, env, got in zip(episodes, environments, rewards):
+        if isinstance(calls := getattr(env, "model_calls", None), list):
+            ep.model_calls = list(calls)
         if ep.error is None:
             ep.reward = math.fsum(got) if got else getattr(env, "default_reward", None)
     return episodes

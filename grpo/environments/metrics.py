@@ -7,12 +7,14 @@ Rates are per episode, so they compare across batch sizes and ranks:
 ``env/tools/call_frequency``           tool calls per episode (an unknown tool name is a call, as in TRL's count)
 ``env/tools/failure_frequency``        failed calls (the tool raised, or no tool has that name) per call
 ``env/turns/mean``, ``env/turns/max``  model turns per episode
+``env/samples/mean``                   samples (training rows) per episode: 1, plus one per history rewrite
 ``env/env_tokens/mean``                environment tokens per episode (not trained on, not completion length)
 ``env/generated_tokens/mean``          model tokens generated per episode, those cut off after a turn's end included
 ``env/generated_over_kept``            model tokens generated over those kept (1.0: every turn stopped where it ends)
 ``env/truncated_frac``                 episodes cut off by the turn or token budget
 ``env/errors``                         episodes ended by an environment error (reward NaN) per episode
 ``env/unknown_tool_calls``             calls naming no tool of the environment, per episode
+``env/refused_calls``                  an agent's model calls the endpoint refused (HTTP error), per episode
 ``env/tools/<tool>/calls``             calls of that tool per episode
 ``env/tools/<tool>/failures``          its calls that raised, per episode
 ``env/tools/<tool>/latency_s``         its mean wall-clock seconds per call
@@ -20,7 +22,9 @@ Rates are per episode, so they compare across batch sizes and ranks:
 =====================================  ==========================================================================
 
 Per-tool and per-environment entries appear for the tools called and the environments whose episodes were scored in
-the batch; no value is NaN (TRL averages a logging step's values, and one NaN would hide the others).
+the batch, ``env/refused_calls`` for a batch with agent episodes (an agent's chat calls' OpenAI ``tool_calls`` are
+its tool calls: a name its request's ``tools`` offered is a call, another an unknown one); no value is NaN (TRL
+averages a logging step's values, and one NaN would hide the others).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         "env/tools/failure_frequency": (sum(failures.values()) + unknown) / all_calls if all_calls else 0.0,
         "env/turns/mean": sum(ep.turns for ep in episodes) / n,
         "env/turns/max": float(max(ep.turns for ep in episodes)),
+        "env/samples/mean": sum(1 + len(ep.samples) for ep in episodes) / n,
         "env/env_tokens/mean": sum(ep.env_tokens for ep in episodes) / n,
         "env/generated_tokens/mean": generated / n,
         "env/generated_over_kept": generated / kept if kept else 1.0,
@@ -72,6 +77,8 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         "env/errors": sum(ep.error is not None for ep in episodes) / n,
         "env/unknown_tool_calls": unknown / n,
     }
+    if any(ep.model_calls for ep in episodes):
+        out["env/refused_calls"] = sum("refused" in c for ep in episodes for c in ep.model_calls) / n
     out |= tool_metrics({name: (calls[name], failures.get(name, 0), seconds[name]) for name in sorted(calls)}, n)
     rewards: dict[str, list[float]] = {}
     for ep in episodes:

@@ -6,10 +6,17 @@ queued here and a daemon thread writes each as one trace of the run's experiment
 
 * an ``AGENT`` root span named after the environment: inputs the prompt, outputs the final answer (the last model
   turn) and the transcript, attributes ``environment``, ``reward``, ``stop_reason``, ``turns``, ``error`` (status
-  ERROR when the environment failed);
-* one ``CHAT_MODEL`` span per model turn (outputs: the turn's text; the environment's reply that followed it as the
+  ERROR when the environment failed, an agent that raised included), ``refused_calls``, ``policy_version``;
+* one ``CHAT_MODEL`` span per model turn (an agent's model call; inputs: the prompt as the model saw it, the
+  episode's text before the turn; outputs: the turn's text; the environment's reply that followed it as the
   attribute ``observation``), from the start of the batched ``generate`` call that wrote it to the end of its
-  environment step (attributes ``generate_s`` and ``step_s``);
+  environment step (attributes ``generate_s`` and ``step_s``, and ``policy_version``, the optimizer steps of the
+  weights that sampled it). An agent's call also carries what the endpoint recorded (``Episode.model_calls``):
+  ``prompt_tokens``, ``completion_tokens``, ``finish_reason``, ``route``, ``max_tokens``, ``stop``, the sampling
+  parameters (``temperature``, ``top_p``, ``top_k``), the ``tool_calls`` the model made, and ``restart`` for a call
+  that started the episode's next sample (its prompt is its own, not the episode's text so far);
+* one ``LLM`` span named ``refused call`` per call the endpoint refused (status ERROR, its HTTP ``status`` and
+  message), at the time it was refused;
 * one ``TOOL`` span per tool call under the turn that made it (its name, ``status`` ok / error / unknown, and the
   measured latency as the span's duration), laid out in order from the start of the turn's environment step;
 * trace tags ``step``, ``reward``, ``environment``.
@@ -93,13 +100,26 @@ def episode_trace(record: dict[str, Any], experiment_id: str, run_id: str) -> tu
                       "status": {"code": "STATUS_CODE_OK" if ok else "STATUS_CODE_ERROR", "message": message},
                       "attributes": attrs})
 
-    # Pair each model turn with the environment text that followed it, in transcript order.
+    calls = [c for c in record.get("model_calls") or [] if "refused" not in c]
+    refused = [c for c in record.get("model_calls") or [] if "refused" in c]
+    # Pair each model turn with the environment text that followed it, in transcript order, and the text before it
+    # (an agent's call that restarted the sequence: the environment text before it is its whole prompt).
     turns: list[tuple[str, str | None]] = []
+    prompts: list[str] = []
+    seen, before = str(record.get("prompt", "")), None
     for source, text in record.get("transcript") or []:
         if source == "model":
+            if len(turns) < len(calls) and calls[len(turns)].get("restart") and before is not None:
+                seen = before
             turns.append((text, None))
-        elif turns and turns[-1][1] is None:
-            turns[-1] = (turns[-1][0], text)
+            prompts.append(seen)
+            before = None
+        else:
+            if turns and turns[-1][1] is None:
+                turns[-1] = (turns[-1][0], text)
+            before = text
+        seen += text
+    version = record.get("policy_version")
     calls_by_turn: dict[int, list[Sequence[Any]]] = {}
     for call in record.get("tool_calls") or []:
         calls_by_turn.setdefault(int(call[0]), []).append(call)
@@ -120,23 +140,30 @@ def episode_trace(record: dict[str, Any], experiment_id: str, run_id: str) -> tu
             clock = t1
         clock = max(clock, times[3])
         children.append((n, text, observation, times, clock, tool_spans))
-    end = max(clock, start)
+    refused_at = [int(float(c.get("time") or start / 1e9) * 1e9) for c in refused]
+    end = max([clock, start, *refused_at])
+    start = min([start, *refused_at])  # a call refused before the first one answered (during the episode's reset)
 
     answer = turns[-1][0] if turns else ""
     add(env, root_id, None, SpanType.AGENT, start, end, inputs={"prompt": record.get("prompt", "")},
         outputs={"answer": answer, "transcript": record.get("transcript") or []},
         attributes={"environment": env, "reward": reward, "stop_reason": record.get("stop_reason"),
-                    "turns": record.get("turns", len(turns)), "error": error, "step": record.get("step")},
+                    "turns": record.get("turns", len(turns)), "error": error, "step": record.get("step"),
+                    "refused_calls": len(refused), "policy_version": version},
         ok=error is None, message=error or "")
     for n, text, observation, times, t1, tool_spans in children:
         turn_id = ids.span()
-        add(f"turn {n}", turn_id, root_id, SpanType.CHAT_MODEL, times[0], t1, outputs=text,
-            attributes={"turn": n, "observation": observation, "generate_s": (times[1] - times[0]) / 1e9,
-                        "step_s": (times[3] - times[2]) / 1e9})
+        call = {k: v for k, v in (calls[n - 1] if n <= len(calls) else {}).items() if k != "time"}
+        add(f"turn {n}", turn_id, root_id, SpanType.CHAT_MODEL, times[0], t1, inputs={"prompt": prompts[n - 1]},
+            outputs=text, attributes={"turn": n, "observation": observation, "generate_s": (times[1] - times[0]) / 1e9,
+                                      "step_s": (times[3] - times[2]) / 1e9, "policy_version": version, **call})
         for name, status, c0, c1 in tool_spans:
             add(name, ids.span(), turn_id, SpanType.TOOL, c0, c1,
                 attributes={"tool": name, "status": status, "latency_s": (c1 - c0) / 1e9},
                 ok=status == "ok", message="" if status == "ok" else status)
+    for entry, at in zip(refused, refused_at):
+        add("refused call", ids.span(), root_id, SpanType.LLM, at, at,
+            attributes={"status": entry.get("status"), "error": entry["refused"]}, ok=False, message=entry["refused"])
 
     info = TraceInfo(
         trace_id=trace_id, trace_location=TraceLocation.from_experiment_id(experiment_id),

@@ -79,7 +79,9 @@ class AsyncRollouts:
     def _episodes_for(self, prompt_ids: list[list[int]], rows: list[dict]) -> list:
         """The round's episodes from the rollout engine (async training), else as the sync trainer runs them."""
         if self._async and self.model.training and self._episode_settings is not None:
-            return self._async_round(prompt_ids, rows).episodes
+            rollout = self._async_round(prompt_ids, rows)
+            self._sampled_policy_version = rollout.version  # the episodes' traces show the weights that sampled them
+            return rollout.episodes
         return super()._episodes_for(prompt_ids, rows)
 
     @property

@@ -32,7 +32,7 @@ import torch
 
 from grpo.environments import ROUTING_COLUMN, ToolEnvironment, get_tool, make_environment
 from grpo.environments.chat import ToolLedger
-from grpo.environments.episodes import ENV_LOGPROB, Episode, rollout_fields, run_episodes
+from grpo.environments.episodes import ENV_LOGPROB, Episode, Sample, rollout_fields, run_episodes
 from grpo.environments.metrics import episode_metrics, tool_metrics
 
 # Columns the rollout adds to a row (TRL merges rollout_func's extra fields into the rows): not the dataset's, so
@@ -45,14 +45,17 @@ def reset_row(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k not in _ROLLOUT_COLUMNS}
 
 
-def episode_record(ep: Episode, prompt: str, step: int) -> dict[str, Any]:
-    """An episode as plain data for a trace: ``step`` (the first optimizer step trained on it), ``environment``,
-    ``prompt`` (the text the model saw first, ``reset``'s observation included), ``transcript`` (``[source, text]``
-    segments), ``tool_calls`` (``[turn, name, status, seconds]`` in order), ``turns``, ``turn_times`` (each turn's
-    ``[generate start, generate end, step start, step end]``, wall-clock seconds), ``reward`` (the environment's;
-    None when it gave none, NaN on an error), ``stop_reason``, ``error`` and ``time_ns`` (when it was recorded)."""
+def episode_record(ep: Episode, prompt: str, step: int, policy_version: int | None = None) -> dict[str, Any]:
+    """An episode as plain data for a trace: ``step`` (the first optimizer step trained on it), ``policy_version``
+    (the optimizer steps of the weights that sampled it; None: unknown), ``environment``, ``prompt`` (the text the
+    model saw first, ``reset``'s observation included), ``transcript`` (``[source, text]`` segments), ``tool_calls``
+    (``[turn, name, status, seconds]`` in order), ``model_calls`` (an agent's calls as the endpoint recorded them,
+    ``Episode.model_calls``), ``turns``, ``turn_times`` (each turn's ``[generate start, generate end, step start,
+    step end]``, wall-clock seconds), ``reward`` (the environment's; None when it gave none, NaN on an error),
+    ``stop_reason``, ``error`` and ``time_ns`` (when it was recorded)."""
     return {
-        "step": int(step), "environment": ep.environment, "prompt": prompt,
+        "step": int(step), "policy_version": None if policy_version is None else int(policy_version),
+        "environment": ep.environment, "prompt": prompt, "model_calls": [dict(c) for c in ep.model_calls],
         "transcript": [[source, text] for source, text in ep.transcript],
         "tool_calls": [list(call) for call in ep.tool_trace], "turns": ep.turns,
         "turn_times": [list(times) for times in ep.turn_times],
@@ -105,6 +108,7 @@ class EnvironmentRollouts:
     _rollout_rows: list[dict[str, Any]] | None = None  # the rows of the batch being generated
     _episode_errors: list[bool] | None = None  # per local completion of the last rollout: its environment failed
     _tool_ledger: ToolLedger | None = None  # protocol chat: the tools TRL's loop calls, recorded
+    _sampled_policy_version: int | None = None  # the optimizer steps of the weights that sampled the last episodes
 
     def _environment_trainer_kwargs(self, experiment, kwargs: dict[str, Any]) -> None:
         """Add TRL's arguments for ``experiment.environment`` to the trainer's keyword arguments (called before
@@ -153,6 +157,8 @@ class EnvironmentRollouts:
                 ep.environment = self._environment_name(row)
             row["env_reward"] = ep.reward  # now, not after _generate: streamed reward scoring reads the rows first
         self._episode_errors = [ep.error is not None for ep in episodes]
+        # earlier samples (an agent that rewrote its history) train as rows of their own, a failed episode's not
+        self._episode_samples = [[] if ep.error is not None else ep.samples for ep in episodes]
         self._log_episode_metrics(episodes)
         self._offer_episode_traces(episodes)
         return rollout_fields(episodes)
@@ -173,6 +179,7 @@ class EnvironmentRollouts:
             except Exception as err:  # noqa: BLE001 - that episode fails (reward NaN); the run goes on
                 environments.append(_Unbuildable(err))
         reset_rows = [reset_row(row) for row in rows]
+        self._sampled_policy_version = self.state.global_step  # the trace's: these weights sample the round
         return run_episodes(
             prompt_ids, environments, self._round_generate(), self._tokenizer, rows=reset_rows,
             max_turns=env.max_turns, max_completion_length=self.max_completion_length,
@@ -222,7 +229,8 @@ class EnvironmentRollouts:
         if interval == getattr(self, "_traced_interval", None):
             return
         self._traced_interval = interval
-        records = [episode_record(ep, _decode_text(self._tokenizer, ep.prompt_ids), step) for ep in episodes[:n]]
+        records = [episode_record(ep, _decode_text(self._tokenizer, ep.first_prompt_ids), step,
+                                  self._sampled_policy_version) for ep in episodes[:n]]
         for hook in hooks:
             hook(self.args, self.state, self.control, episodes=records)
 
@@ -230,7 +238,8 @@ class EnvironmentRollouts:
         """:func:`episode_metrics` over every rank's episodes (the same values on every rank)."""
         from accelerate.utils import gather_object
 
-        light = [dataclasses.replace(ep, prompt_ids=[], completion_ids=[], logprobs=None, transcript=[])
+        light = [dataclasses.replace(ep, prompt_ids=[], completion_ids=[], logprobs=None, transcript=[],
+                                     samples=[Sample([], [], s.env_mask, None) for s in ep.samples])
                  for ep in episodes]
         everyone = gather_object(light) if self.accelerator.num_processes > 1 else light
         mode = "train" if self.model.training else "eval"

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from grpo.algo.group_balancing import BALANCED_ROWS, rebalance_groups, split_by_token_budget
+from grpo.training.call_samples import append_rows
+from grpo.training.zero_advantage import select_rows
 
 
 class SeqlenBalancing:
@@ -36,7 +38,9 @@ class SeqlenBalancing:
         exchange, ranks) unequal row counts; TRL divides by the actual count, so multiplying by
         rows / per_device_train_batch_size restores every row's weight (0 for a zero-weight filler). Losses
         normalised by the generation batch's token count (dapo, cispo, vespo) need no weight; bnpo and the entropy
-        options depend on which rows share a micro-batch and are refused with balancing at config load."""
+        options depend on which rows share a micro-batch and are refused with balancing at config load. The
+        micro-batches of a batch with per-call samples (:mod:`grpo.training.call_samples`) record their rows too, so
+        each sample weighs one row."""
         rows = inputs.get(BALANCED_ROWS)
         if rows is None or self.loss_type not in self._PER_SEQUENCE_MEAN:
             return 1.0
@@ -44,15 +48,21 @@ class SeqlenBalancing:
 
 
     def _rebalance(self, batch: dict[str, torch.Tensor | Any]) -> dict[str, torch.Tensor | Any]:
-        """Exchange whole groups between ranks for balanced token loads; logs ``balance/*``."""
-        batch, metrics = rebalance_groups(
-            batch, self.num_generations, self.accelerator.process_index, self.accelerator.num_processes,
-            self.processing_class.pad_token_id if hasattr(self.processing_class, "pad_token_id") else 0,
-            self.experiment.sampling.balance_quadratic_coef,
+        """Exchange whole groups between ranks for balanced token loads; logs ``balance/*``. Rows appended after
+        the groups (an episode's earlier samples, :mod:`grpo.training.call_samples`) stay on their rank."""
+        pad_token_id = self.processing_class.pad_token_id if hasattr(self.processing_class, "pad_token_id") else 0
+        extra = getattr(self, "_call_sample_rows", 0)
+        n = batch["completion_ids"].shape[0]
+        groups = select_rows(batch, torch.arange(n - extra)) if extra else batch
+        balanced, metrics = rebalance_groups(
+            groups, self.num_generations, self.accelerator.process_index, self.accelerator.num_processes,
+            pad_token_id, self.experiment.sampling.balance_quadratic_coef,
         )
+        if extra:
+            balanced = append_rows(balanced, select_rows(batch, torch.arange(n - extra, n)), pad_token_id)
         for name, value in metrics.items():
             self._record(name, value)
-        return batch
+        return balanced
 
     def _split_by_token_budget(self, batch: dict[str, torch.Tensor | Any]) -> list[dict[str, torch.Tensor | Any]]:
         return split_by_token_budget(batch, self.args.steps_per_generation)

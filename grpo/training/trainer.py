@@ -21,6 +21,7 @@ Each platform feature is one mixin module named after its config section, compos
 ``async.shared_prompt_forward``         :mod:`grpo.training.shared_prompt` (``SharedPromptForward``)
 ``grpo.num_generations_chunks``         :mod:`grpo.training.chunked_loss` (``ChunkedLoss``)
 ``environment``                         :mod:`grpo.training.episodes` (``EnvironmentRollouts``)
+``environment.agent`` (rewrites)        :mod:`grpo.training.call_samples` (``CallSamples``)
 =====================================  ==============================================================
 
 This module keeps the sequence (sampler, generation batch, loss) readable top to bottom. Everything else (every
@@ -49,6 +50,7 @@ from grpo.algo.sampling import SequenceParallelRepeatRandomSampler
 from grpo.config import ExperimentConfig
 from grpo.distributed import check_launch_matches_config, launched_world_size
 from grpo.training.async_rollouts import AsyncRollouts
+from grpo.training.call_samples import CallSamples, split_rows
 from grpo.training.chunked_loss import ChunkedLoss
 from grpo.training.episodes import EnvironmentRollouts
 from grpo.training.model_support import parameters_left_out
@@ -86,7 +88,7 @@ TRL_HOOKS: dict[str, str] = {
 
 
 
-class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndReroll, SeqlenBalancing,
+class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, CallSamples, RewardScoring, ReplayAndReroll, SeqlenBalancing,
                   ZeroAdvantageSkip, ChunkedLoss, OffPolicyCorrection, SharedPromptForward, trl.GRPOTrainer):
     # AsyncRollouts before EnvironmentRollouts: its _episodes_for takes a round's episodes from the rollout engine;
     # OffPolicyCorrection after the others: every loss call passes through it; SharedPromptForward next to TRL: it
@@ -249,7 +251,8 @@ class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndRe
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def assemble_generation_batch(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
-        """Generate completions for the rows, score them and compute advantages (TRL's implementation); with
+        """Generate completions for the rows, score them and compute advantages (TRL's implementation); in
+        training, append the episodes' earlier samples as rows (:mod:`grpo.training.call_samples`); with
         ``sampling.seqlen_balancing`` and several ranks, then exchange whole groups for balanced token loads."""
         training = self.model.training
         replaced: list[slice] = []
@@ -268,6 +271,10 @@ class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndRe
                 self._buffer_failed_groups(inputs, rewards)
             if self._replay is not None:
                 replaced = self._apply_replay(batch, rewards)
+        if training:  # an episode's earlier samples (an agent that rewrote its history): rows of their own
+            batch = self._append_call_samples(batch, replaced)
+        else:
+            self._episode_samples = None
         if training and self._async and "sampling_per_token_logps" in batch and not self.use_vllm:
             self._correct_off_policy(batch, replaced if self._replay is not None else [])
         if training and self._balancing:
@@ -279,6 +286,8 @@ class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, RewardScoring, ReplayAndRe
         token budgets when sequence-length balancing is on."""
         if self._balancing:
             return self._split_by_token_budget(batch)
+        if self._call_sample_rows:  # rows beyond TRL's count: near-equal micro-batches, weighted by their rows
+            return split_rows(batch, self.args.steps_per_generation)
         batch = split_pixel_values_by_grid(batch)
         batch = shuffle_sequence_dict(batch)
         parts = split_tensor_dict(batch, self.args.steps_per_generation)
