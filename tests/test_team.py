@@ -133,16 +133,16 @@ def test_team_up_wants_credentials_and_serves_a_grpo_run(team, tmp_path, monkeyp
         assert not [text[:300] for text in seen if password in text]
 
 
-def test_cancel_reaches_the_team_server_with_its_auth_string(team, monkeypatch):
+def test_cancel_reaches_the_team_server_with_its_auth_string(team):
     """An interrupted ``grpo run`` marks its flow runs Cancelled, and the cancel watch sees a Cancel from the UI, on
     the team's server too: both sent their requests without the auth string, read the 401 as "nothing cancelled"
     and "0 cancelled", and the run's flow run stayed Running in the UI."""
     import threading
 
+    from prefect.settings import PREFECT_API_AUTH_STRING, temporary_settings
+
     from grpo.app.procguard import CancelWatch, cancel_flow_runs
 
-    for name, value in team.env.items():
-        monkeypatch.setenv(name, value)
     api = team.env["PREFECT_API_URL"]
     flow = team.prefect("POST", "flows/", json={"name": "team-cancel-probe"}).json()["id"]
 
@@ -151,12 +151,15 @@ def test_cancel_reaches_the_team_server_with_its_auth_string(team, monkeypatch):
         return team.prefect("POST", "flow_runs/", json=body).json()["id"]
 
     interrupted, watched = flow_run(), flow_run()
-    assert cancel_flow_runs([interrupted], api, "stopped by SIGINT") == 1
-    assert team.prefect("GET", f"flow_runs/{interrupted}").json()["state"]["type"] == "CANCELLED"
-
     seen: list[str] = []
     reported = threading.Event()
-    with CancelWatch([watched], api, interval=0.05, on_cancel=lambda run: (seen.append(run), reported.set())):
+    # the process's Prefect settings as `source team.env` gives them to a grpo run (Prefect reads its environment
+    # once a process: this test's worker may have read it before)
+    with temporary_settings({PREFECT_API_AUTH_STRING: team.env["PREFECT_API_AUTH_STRING"]}):
+        assert cancel_flow_runs([interrupted], api, "stopped by SIGINT") == 1
+        watch = CancelWatch([watched], api, interval=0.05, on_cancel=lambda run: (seen.append(run), reported.set()))
+    assert team.prefect("GET", f"flow_runs/{interrupted}").json()["state"]["type"] == "CANCELLED"
+    with watch:
         body = {"state": {"type": "CANCELLING", "name": "Cancelling"}}
         assert team.prefect("POST", f"flow_runs/{watched}/set_state", json=body).status_code in (200, 201)
         assert reported.wait(600), "the watch never saw the Cancelling run"  # a hang bound, not a speed requirement

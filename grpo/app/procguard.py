@@ -216,7 +216,11 @@ class CancelWatch:
                  on_cancel: Callable[[str], None] | None = None) -> None:
         import threading
 
+        from grpo.app.serve import api_auth_headers
+
         self.flow_run_ids, self.api_url, self.interval = flow_run_ids, api_url, interval
+        # read here, not on the thread: Prefect's settings context (where a caller's settings live) is the caller's
+        self.headers = api_auth_headers()
         self.on_cancel = on_cancel or (lambda _flow_run_id: os.kill(os.getpid(), signal.SIGTERM))
         self.polls = 0  # polls with runs to watch
         self.requests = 0  # HTTP responses the watch received (one per poll)
@@ -251,15 +255,13 @@ class CancelWatch:
     def _loop(self) -> None:
         import httpx
 
-        from grpo.app.serve import api_auth_headers
-
         url = self.api_url
         def counted(_response) -> None:
             self.requests += 1
 
         # the team's server (``grpo team up``) answers 401 to a request without its auth string: every poll read
         # "nothing cancelled" and a Cancel in the UI never reached the run
-        with httpx.Client(event_hooks={"response": [counted]}, headers=api_auth_headers()) as client:
+        with httpx.Client(event_hooks={"response": [counted]}, headers=self.headers) as client:
             while not self.done.wait(self.interval):
                 if url is None:
                     from prefect.settings import PREFECT_API_URL
