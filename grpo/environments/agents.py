@@ -217,7 +217,7 @@ class AgentEnvironment(Environment):
             "prompt_tokens": len(call.prompt_ids), "completion_tokens": len(ids), "finish_reason": finish,
             "route": "completions" if call.messages is None else "chat/completions", "max_tokens": call.max_tokens,
             "stop": list(call.stop), **(self.sampling or {}), "tool_calls": names,
-            **({"restart": True} if getattr(call, "restart", False) else {})})
+            **({"restart": True} if call.restart else {})})
         self._answered = (time.time(), names, offered)
 
     def _take_refused(self) -> None:
