@@ -193,11 +193,18 @@ def _tiny() -> dict:
     return flatten(load_config("tiny"))
 
 
-def _release_once_stopping(served, gate: Path) -> None:
-    """Once the served run's log says the stop has arrived, remove the gate its held step waits on: the step ends and
-    its checkpoint is saved."""
+def _log_size(served) -> int:
+    """The served log's size now: what :func:`_release_once_stopping` reads after."""
+    return served.log.stat().st_size
+
+
+def _release_once_stopping(served, gate: Path, since: int) -> None:
+    """Once the served run's log says, after byte ``since`` (its size before the stop was sent), that the stop has
+    arrived, remove the gate its held step waits on: the step ends and its checkpoint is saved. The log is shared by
+    the module's runs and an earlier test's stop says the same: read from the whole log, that line released the gate
+    before this run's stop arrived, and the run saved a later step."""
     deadline = time.monotonic() + 300
-    while "SIGTERM: saving a checkpoint at the end of this step" not in served.log.read_text():
+    while b"SIGTERM: saving a checkpoint at the end of this step" not in served.log.read_bytes()[since:]:
         assert time.monotonic() < deadline, served.log.read_text()[-3000:]
         time.sleep(0.5)
     gate.unlink()
@@ -315,6 +322,7 @@ def test_a_quick_run_is_the_preset_and_cancel_in_the_ui_saves_a_checkpoint(serve
     ui = served.server.url.removesuffix("/api")
     known = _known(served, deployment_id)
     gate = Path(served.env["GRPO_TEST_GATE"] + "-preset")
+    Path(f"{gate}.reached").unlink(missing_ok=True)
     gate.touch()
     page.goto(f"{ui}/deployments/deployment/{deployment_id}", wait_until="networkidle")
     created = submit(page, served.server, deployment_id, known, button="Quick run")
@@ -324,11 +332,12 @@ def test_a_quick_run_is_the_preset_and_cancel_in_the_ui_saves_a_checkpoint(serve
     assert _changed(run_dir / "config.yaml") == {}
 
     page.goto(f"{ui}/runs/flow-run/{created['id']}", wait_until="networkidle")
+    since = _log_size(served)
     page.get_by_role("button", name="Cancel", exact=True).first.click()
     page.get_by_role("dialog").get_by_role("button", name="Confirm", exact=True).click()
     served.wait(created["id"], timeout=300, until=("CANCELLING", "CANCELLED"))  # the UI's request arrived: may go
     park(page)
-    _release_once_stopping(served, gate)
+    _release_once_stopping(served, gate, since)
     run = served.wait(created["id"], timeout=600)
     assert run["state"]["type"] == "CANCELLED", run["state"]
     train = served.subflows(created["id"])["train"]
@@ -375,6 +384,7 @@ def test_a_changed_run_stopped_mid_step_resumes_from_the_form(served, page):
     its progress line counts the steps left, and the checkpoint's tied weights load without a "missing keys"
     message. A resume that changes the config fails with that one line, no traceback."""
     gate = Path(served.env["GRPO_TEST_GATE"])
+    Path(f"{gate}.reached").unlink(missing_ok=True)
     gate.touch()
     deployment_id = _run_page(page, served)
     known = _known(served, deployment_id)
@@ -382,9 +392,10 @@ def test_a_changed_run_stopped_mid_step_resumes_from_the_form(served, page):
     created = submit(page, served.server, deployment_id, known)
     park(page)
     _wait_file(Path(f"{gate}.reached"), log=served.log)  # training is inside its first step
+    since = _log_size(served)
     served.server.post(f"flow_runs/{created['id']}/set_state",
                        {"state": {"type": "CANCELLING", "name": "Cancelling"}})  # what Cancel in the UI sends
-    _release_once_stopping(served, gate)
+    _release_once_stopping(served, gate, since)
     run = served.wait(created["id"], timeout=600)
     assert run["state"]["type"] == "CANCELLED", run["state"]
     assert served.subflows(created["id"])["train"]["state"]["type"] == "CANCELLED"
