@@ -22,6 +22,8 @@ Each platform feature is one mixin module named after its config section, compos
 ``grpo.num_generations_chunks``         :mod:`grpo.training.chunked_loss` (``ChunkedLoss``)
 ``environment``                         :mod:`grpo.training.episodes` (``EnvironmentRollouts``)
 ``environment.agent`` (rewrites)        :mod:`grpo.training.call_samples` (``CallSamples``)
+(always on, exact)                      :mod:`grpo.training.host_batching` (``HostBatching``): the batch's tensors
+                                        built per batch, not per row
 =====================================  ==============================================================
 
 This module keeps the sequence (sampler, generation batch, loss) readable top to bottom. Everything else (every
@@ -53,6 +55,7 @@ from grpo.training.async_rollouts import AsyncRollouts
 from grpo.training.call_samples import CallSamples, split_rows
 from grpo.training.chunked_loss import ChunkedLoss
 from grpo.training.episodes import EnvironmentRollouts
+from grpo.training.host_batching import HostBatching
 from grpo.training.model_support import parameters_left_out
 from grpo.training.off_policy import OffPolicyCorrection
 from grpo.training.replay import ReplayAndReroll
@@ -73,7 +76,10 @@ TRL_HOOKS: dict[str, str] = {
     "_prepare_inputs": "TRL's schedule split in two: assemble a generation batch (re-rolls, replay, off-policy), then "
                        "split it (balancing)",
     "_generate_single_turn": "async rollouts: completions produced ahead by the producer thread; in-process generate "
-                            "prefills each distinct prompt once (async.shared_prompt_forward)",
+                            "prefills each distinct prompt once (async.shared_prompt_forward) and builds its batch "
+                            "per batch, not per row (host_batching)",
+    "_generate_and_score_completions": "TRL's code with its row-by-row pad bound to a per-batch one (host_batching)",
+    "_tokenize_prompts": "each run of equal prompts (a group's copies) tokenised once (host_batching)",
     "_generate": "starts streaming reward scoring while the log-prob passes run",
     "_calculate_rewards": "the persistent reward pool / streamed rewards instead of in-process calls; NaN rewards "
                           "for episodes whose environment failed",
@@ -89,10 +95,11 @@ TRL_HOOKS: dict[str, str] = {
 
 
 class GRPOTrainer(AsyncRollouts, EnvironmentRollouts, CallSamples, RewardScoring, ReplayAndReroll, SeqlenBalancing,
-                  ZeroAdvantageSkip, ChunkedLoss, OffPolicyCorrection, SharedPromptForward, trl.GRPOTrainer):
+                  ZeroAdvantageSkip, ChunkedLoss, OffPolicyCorrection, SharedPromptForward, HostBatching,
+                  trl.GRPOTrainer):
     # AsyncRollouts before EnvironmentRollouts: its _episodes_for takes a round's episodes from the rollout engine;
     # OffPolicyCorrection after the others: every loss call passes through it; SharedPromptForward next to TRL: it
-    # changes only how TRL's log-prob forward runs the model
+    # changes only how TRL's log-prob forward runs the model; HostBatching last: TRL's own steps, built per batch
     """TRL's GRPO trainer with extension points; see the module docstring."""
 
     def __init__(
