@@ -133,12 +133,15 @@ def test_each_group_prompt_is_tokenised_once(trainer, chat):
 
 @pytest.mark.integration
 def test_prompts_equal_but_rendered_apart_are_tokenised_each(trainer):
-    """``==`` holds for dicts in another key order and for 1, 1.0 and True, which a chat template renders apart
-    (``tojson`` keeps the key order): each is tokenised as TRL tokenises it; equal reprs still share one."""
+    """``==`` holds for dicts in another key order (a tool call's arguments) and for 1, 1.0 and True, which a chat
+    template renders apart: each is tokenised as TRL tokenises it; equal reprs still share one tokenisation."""
     tokenizer = trainer.processing_class
     contents = [{"a": 1, "b": 2}, {"b": 2, "a": 1}, 1, 1.0, True, True]
     prompts = [[{"role": "user", "content": c}] for c in contents]
-    template, tokenizer.chat_template = tokenizer.chat_template, "{% for m in messages %}{{ m.content|tojson }}{% endfor %}"
+    template = tokenizer.chat_template  # renders "12", "21", "1", "3", "4", "4" (the tiny vocabulary has digits)
+    tokenizer.chat_template = ("{% for m in messages %}{% if m.content is mapping %}{% for k in m.content %}"
+                               "{{ m.content[k] }}{% endfor %}{% else %}{{ m.content|string|length }}{% endif %}"
+                               "{% endfor %}")
     try:
         ours, theirs = trainer._tokenize_prompts(prompts), trl.GRPOTrainer._tokenize_prompts(trainer, prompts)
     finally:
