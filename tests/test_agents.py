@@ -343,6 +343,88 @@ def test_the_sync_and_generator_process_paths_train_on_the_same_agent_episodes_a
                                         for p in trainer.model.parameters())
 
 
+@pytest.mark.integration
+def test_per_call_samples_are_each_trained_once_with_one_rows_weight_across_accumulated_micro_steps(tmp_path):
+    """Gradient accumulation 2 and ``grpo.steps_per_generation`` 4: one generation round is four micro-steps (two
+    optimizer steps). The episodes make 0, 1 or 2 retries (``tests/retrying_agent.py``), so the round's 16 episode
+    rows gain 15 sample rows and its 31 rows split unevenly. Over the round's micro-steps, driven through
+    ``training_step`` as the training loop drives them (at fixed weights, the optimizer step being the loop's),
+    every row is trained exactly once, in micro-batches of near-equal size that record their rows, and the gradient
+    of each loss token's log-prob is the one the whole round's objective gives it, whichever micro-batch holds it:
+    ``-advantage * steps_per_generation / (accumulation * loss tokens of the round)`` for ``dapo`` (the default),
+    ``-advantage / (tokens of its row * per_device_train_batch_size * accumulation)`` for ``grpo``; 0 for
+    environment tokens (the ratio to the old log-probs, the appended rows' included, is 1 at fixed weights).
+    Advantages are set to distinct values after scoring, so each row is known by its own."""
+    from pathlib import Path
+
+    from grpo.environments import load_environment_module
+    from grpo.training.off_policy import loss_mask
+    from tests.trainers import logp_gradient, micro_trainer
+
+    load_environment_module(Path(__file__).parent / "retrying_agent.py")
+    size, accumulation, steps = 4, 2, 4
+    trainer = micro_trainer(tmp_path, {**AGENT_TRAINER, "grpo.per_device_train_batch_size": size,
+                                       "grpo.gradient_accumulation_steps": accumulation,
+                                       "grpo.steps_per_generation": steps})
+    trainer.current_gradient_accumulation_steps = accumulation  # what the training loop sets for each window
+    rows = [dict(trainer.train_dataset[k // 4], retries=k % 3) for k in range(size * steps)]
+    torch.manual_seed(0)
+    episodes = record_episodes(trainer)
+    whole, assemble = {}, trainer.assemble_generation_batch
+
+    def tagged(inputs):  # the scored batch, each row's advantage a value of its own
+        batch = assemble(inputs)
+        whole.update(batch, advantages=torch.linspace(0.1, 1.0, batch["advantages"].numel()))
+        return whole
+
+    served, captured = [], []
+    policy_loss, logps = trainer.compute_policy_loss, trainer._get_per_token_logps_and_entropies
+
+    def record_inputs(model, inputs):
+        served.append(inputs)
+        return policy_loss(model, inputs)
+
+    def capture(*args, **kwargs):
+        out = logps(*args, **kwargs)
+        if torch.is_grad_enabled():
+            out[0].retain_grad()
+            captured.append(out[0])
+        return out
+
+    trainer.assemble_generation_batch, trainer.compute_policy_loss = tagged, record_inputs
+    trainer._get_per_token_logps_and_entropies = capture
+    for _ in range(steps):
+        trainer.training_step(trainer.model, rows, None)
+    del trainer.assemble_generation_batch, trainer.compute_policy_loss, trainer._get_per_token_logps_and_entropies
+
+    n, extra = len(episodes), sum(len(ep.samples) for ep in episodes)
+    total = whole["advantages"].numel()
+    assert (n, extra, total, trainer._call_sample_rows) == (16, 15, 31, 15)
+    counts = [part["advantages"].numel() for part in served]
+    assert len(served) == len(captured) == steps and [part[BALANCED_ROWS] for part in served] == counts
+    assert sum(counts) == total and max(counts) - min(counts) == 1
+    tags = torch.cat([part["advantages"] for part in served])
+    assert sorted(tags.tolist()) == whole["advantages"].tolist()  # every row once: none dropped, none twice
+    mask = loss_mask(whole).float()
+    assert whole["num_items_in_batch"] == mask.sum() and (mask[n:].sum(-1) > 0).all()
+
+    def index(part):  # each micro-batch row's row in the whole batch
+        return [whole["advantages"].tolist().index(a) for a in part["advantages"].tolist()]
+
+    def check(loss, grads, expected):
+        for step, (part, grad) in enumerate(zip(served, grads)):
+            want = expected[index(part)]
+            assert grad.shape == want.shape and torch.allclose(grad, want, rtol=1e-4, atol=1e-9), (
+                f"{loss}, micro-step {step} ({part[BALANCED_ROWS]} rows): gradient / expected "
+                f"{float(grad.sum() / want.sum()):.4f}")
+
+    adv = whole["advantages"][:, None]
+    check("dapo", [out.grad for out in captured], -adv * mask * steps / (accumulation * mask.sum()))
+    trainer.loss_type = "grpo"  # the same micro-batches under a loss that averages over a micro-batch's rows
+    check("grpo", [logp_gradient(trainer, part) for part in served],
+          -adv * mask / (mask.sum(-1, keepdim=True) * size * accumulation))
+
+
 def test_the_config_names_an_agent_and_an_unknown_one_is_one_line(tmp_path):
     """``environment.agent`` selects a registered agent (an ``--env-module`` file's too); an unknown name, or an
     agent beside another environment name, is one line naming the field."""
