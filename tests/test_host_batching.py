@@ -12,7 +12,8 @@ import trl
 from torch.overrides import TorchFunctionMode
 from trl.trainer.utils import pad as trl_pad
 
-from grpo.training.host_batching import cut_at_eos, pad, padded_rows
+from grpo.training.host_batching import cut_at_eos
+from grpo.training.padding import pad, padded, padded_rows
 from tests.trainers import micro_trainer
 
 
@@ -58,6 +59,9 @@ def test_padded_rows_and_cut_at_eos_are_trls_per_row_tensors():
             tensors = [torch.tensor(r) for r in rows]
             assert _same(ids, trl_pad(tensors, 2, side, multiple))
             assert _same(mask, trl_pad([torch.ones_like(t) for t in tensors], 0, side, multiple))
+            logps = [[-0.5 * k, float("nan")][: 1 + k % 2] for k in range(7)]  # log-probs with NaN, as recorded
+            assert _same(padded(logps, 0.0, side, torch.float32, multiple),
+                         trl_pad([torch.tensor(r) for r in logps], 0.0, side, multiple))
     eos = [1, 2]
     completions = torch.tensor([[5, 6, 1, 7], [2, 9, 9, 9], [5, 5, 5, 5], [4, 2, 1, 1], [1, 1, 1, 1]])
     is_eos = torch.isin(completions, torch.tensor(eos))

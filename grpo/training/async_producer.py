@@ -143,13 +143,11 @@ def sample_round(model, prompt_ids: list[list[int]], gen: dict, stop_strings: tu
     (:class:`~grpo.training.turn_sampling.TurnStop`) while the others go on."""
     import torch
 
+    from grpo.training.padding import padded_rows
+
     eos = gen["eos_token_ids"]
-    width = max(map(len, prompt_ids))
-    ids = torch.full((len(prompt_ids), width), gen["pad_token_id"])
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompt_ids):  # left padding, as TRL generates
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = padded_rows(prompt_ids, gen["pad_token_id"], "left")  # left padding, as TRL generates
+    width = ids.size(1)
     # On the model's device: the trainer's episode runner samples with the policy where it trains (a GPU), and inputs
     # left on the CPU made transformers sample every token there (a step of guess_digit 10x slower on an H200).
     device = next(model.parameters()).device

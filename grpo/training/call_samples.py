@@ -33,6 +33,7 @@ import torch
 from grpo.algo.group_balancing import BALANCED_ROWS, concat_rows, per_sample_keys
 from grpo.environments.episodes import Sample
 from grpo.training.off_policy import loss_mask
+from grpo.training.padding import padded
 
 Batch = dict[str, Any]
 
@@ -40,16 +41,6 @@ Batch = dict[str, Any]
 _FILLED = frozenset({"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "tool_mask",
                      "sampling_per_token_logps", "old_per_token_logps", "ref_per_token_logps",
                      "importance_sampling_ratio"})
-
-
-def _padded(rows: list[list[float]], value: float, left: bool, dtype: torch.dtype) -> torch.Tensor:
-    """``rows`` as one tensor, each padded with ``value`` on the left or the right (TRL's ``pad``)."""
-    width = max(len(r) for r in rows)
-    out = torch.full((len(rows), width), value, dtype=dtype)
-    for i, r in enumerate(rows):
-        start = width - len(r) if left else 0
-        out[i, start:start + len(r)] = torch.tensor(r, dtype=dtype)
-    return out
 
 
 def sample_rows(samples: list[Sample], advantages: list[float], fillers: int, pad_token_id: int,
@@ -61,18 +52,18 @@ def sample_rows(samples: list[Sample], advantages: list[float], fillers: int, pa
     filler = Sample([pad_token_id], [pad_token_id], [1], [0.0])
     rows = [*samples, *[filler] * fillers]
     out = {
-        "prompt_ids": _padded([s.prompt_ids for s in rows], pad_token_id, True, torch.long),
-        "prompt_mask": _padded([[1] * len(s.prompt_ids) for s in rows], 0, True, torch.long),
-        "completion_ids": _padded([s.completion_ids for s in rows], pad_token_id, False, torch.long),
-        "completion_mask": _padded([[int(i < len(samples))] * len(s.completion_ids) for i, s in enumerate(rows)], 0,
-                                   False, torch.long),
+        "prompt_ids": padded([s.prompt_ids for s in rows], pad_token_id, "left", torch.long),
+        "prompt_mask": padded([[1] * len(s.prompt_ids) for s in rows], 0, "left", torch.long),
+        "completion_ids": padded([s.completion_ids for s in rows], pad_token_id, "right", torch.long),
+        "completion_mask": padded([[int(i < len(samples))] * len(s.completion_ids) for i, s in enumerate(rows)], 0,
+                                  "right", torch.long),
         "advantages": torch.tensor([*advantages, *[0.0] * fillers], dtype=torch.float32),
     }
     if "tool_mask" in fields:
-        out["tool_mask"] = _padded([s.env_mask for s in rows], 1, False, torch.long)
+        out["tool_mask"] = padded([s.env_mask for s in rows], 1, "right", torch.long)
     if "sampling_per_token_logps" in fields:
-        out["sampling_per_token_logps"] = _padded(
-            [s.logprobs if s.logprobs is not None else [math.nan] * len(s.completion_ids) for s in rows], 0.0, False,
+        out["sampling_per_token_logps"] = padded(
+            [s.logprobs if s.logprobs is not None else [math.nan] * len(s.completion_ids) for s in rows], 0.0, "right",
             torch.float32)
     return out
 

@@ -138,7 +138,8 @@ def episode_generator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     ``batch_size`` sequences, each row stopped at its turn's stop strings, the end-of-sequence token or its budget,
     greedy or sampled (each batch under :func:`~grpo.training.turn_sampling.turn_random_state`, so where a batch
     stops does not move what the next one samples); no log-probs (evaluation needs none)."""
-    from grpo.training.turn_sampling import TurnStop, left_padded, trim, turn_random_state
+    from grpo.training.padding import padded_rows
+    from grpo.training.turn_sampling import TurnStop, trim, turn_random_state
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id
@@ -149,7 +150,7 @@ def episode_generator(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         out: list[tuple[list[int], None]] = []
         for start in range(0, len(sequences), batch_size):
             batch, limits = sequences[start : start + batch_size], list(max_new_tokens[start : start + batch_size])
-            ids, mask = left_padded(batch, pad)
+            ids, mask = padded_rows(batch, pad, "left")
             width = ids.shape[1]
             stop = TurnStop.needed(tokenizer, stops, width, limits, [eos])
             with turn_random_state(model.device) if do_sample else contextlib.nullcontext():

@@ -12,7 +12,7 @@ project's CPU box every step, while the device waits (``benchmarks/step_overhead
   into one tensor from the token lists and cuts the completions at their first end-of-sequence token with one read
   of the whole batch;
 * the scoring step (``_generate_and_score_completions``) is TRL's own code, unchanged, with its ``pad`` bound to
-  :func:`pad`: the same result with one copy of all the rows instead of one per row.
+  :func:`grpo.training.padding.pad`: the same result with one copy of all the rows instead of one per row.
 """
 
 from __future__ import annotations
@@ -25,52 +25,8 @@ import torch
 import trl
 from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
-from trl.trainer.utils import pad as trl_pad
 
-
-def pad(tensors: list[torch.Tensor], padding_value: int = 0, padding_side: str = "right",
-        pad_to_multiple_of: int | None = None) -> torch.Tensor:
-    """``trl.trainer.utils.pad`` (same arguments and result) for 1-D tensors on one device, with one copy of every
-    row instead of one indexed assignment per row. Anything else (more dimensions, mixed devices, an empty list, an
-    unknown side) goes to TRL's, which raises where it raises."""
-    if (not tensors or padding_side not in ("left", "right") or any(t.dim() != 1 for t in tensors)
-            or len({t.device for t in tensors}) > 1):
-        return trl_pad(tensors, padding_value, padding_side, pad_to_multiple_of)
-    first = tensors[0]
-    lengths = torch.tensor([t.shape[0] for t in tensors])
-    width = _multiple(int(lengths.max()), pad_to_multiple_of)
-    out = torch.full((len(tensors), width), padding_value, dtype=first.dtype, device=first.device)
-    total = int(lengths.sum())
-    if total:
-        rows = torch.repeat_interleave(torch.arange(len(tensors)), lengths)
-        starts = torch.cumsum(lengths, 0) - lengths  # where each row begins in the concatenation
-        cols = torch.arange(total) - torch.repeat_interleave(starts, lengths)
-        if padding_side == "left":
-            cols += torch.repeat_interleave(width - lengths, lengths)
-        # each row cast to the first's dtype on its own, as TRL's assignment casts it: ``torch.cat`` would promote
-        # the rows to a common dtype first (a row of ids beside an empty completion, ``torch.tensor([])``, is
-        # float32: ids above 2**24 rounded)
-        same = all(t.dtype == first.dtype for t in tensors)
-        out[rows.to(first.device), cols.to(first.device)] = torch.cat(
-            tensors if same else [t.to(first.dtype) for t in tensors])
-    return out
-
-
-def padded_rows(rows: Sequence[Sequence[int]], padding_value: int, padding_side: str,
-                pad_to_multiple_of: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists as one padded ``(ids, attention_mask)`` pair of long tensors, built from Python lists in one call
-    each: what TRL builds with a tensor per row and :func:`pad`."""
-    width = _multiple(max(map(len, rows)), pad_to_multiple_of)
-    ids, mask = [], []
-    for row in rows:
-        fill = width - len(row)
-        if padding_side == "left":
-            ids.append([padding_value] * fill + list(row))
-            mask.append([0] * fill + [1] * len(row))
-        else:
-            ids.append(list(row) + [padding_value] * fill)
-            mask.append([1] * len(row) + [0] * fill)
-    return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+from grpo.training.padding import pad, padded_rows
 
 
 def cut_at_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> list[list[int]]:
@@ -82,10 +38,6 @@ def cut_at_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> li
     last = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), completion_ids.size(1) - 1)
     rows = torch.cat([completion_ids, last.unsqueeze(1).to(completion_ids.dtype)], dim=1).tolist()  # one read
     return [row[: row[-1] + 1] for row in rows]
-
-
-def _multiple(width: int, multiple: int | None) -> int:
-    return width if not multiple else -(-width // multiple) * multiple
 
 
 def _with_pad(function: types.FunctionType) -> types.FunctionType:
@@ -151,4 +103,4 @@ class HostBatching:
         return cut_at_eos(out[:, inputs["input_ids"].size(1):], self.eos_token_ids), None
 
 
-__all__ = ["HostBatching", "cut_at_eos", "pad", "padded_rows"]
+__all__ = ["HostBatching", "cut_at_eos"]

@@ -44,8 +44,9 @@ from grpo.environments.endpoint import (
 )
 from grpo.errors import ConfigError
 from grpo.training.model_support import GENERATION_KV_CACHE, applies
+from grpo.training.padding import padded_rows
 from grpo.training.tiny_model import load_tokenizer_from
-from grpo.training.turn_sampling import TurnStop, left_padded, trim
+from grpo.training.turn_sampling import TurnStop, trim
 
 GATHER_SECONDS = 0.005
 """How long the batcher waits after the first call of a batch for others to join it."""
@@ -234,7 +235,7 @@ class ModelServer:
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
         prompts = [job.call.prompt_ids for job in jobs]
         limits = [job.call.max_tokens for job in jobs]
-        ids, mask = left_padded(prompts, pad)
+        ids, mask = padded_rows(prompts, pad, "left")
         width = ids.shape[1]
         stops = [job.call.stop for job in jobs]
         stop = TurnStop.needed(tok, (), width, limits, eos, row_stops=stops)

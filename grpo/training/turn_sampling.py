@@ -137,16 +137,4 @@ def trim(rows: list[list[int]], stop: TurnStop | None, eos_token_ids: Sequence[i
 
 
 
-def left_padded(sequences: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``input_ids`` and ``attention_mask`` for ``generate``, each sequence padded on the left to the longest (as the
-    trainer generates: every row's new tokens start at the same column, the width :class:`TurnStop` takes)."""
-    width = max(map(len, sequences))
-    ids = torch.full((len(sequences), width), pad)
-    mask = torch.zeros_like(ids)
-    for i, seq in enumerate(sequences):
-        ids[i, width - len(seq):] = torch.tensor(list(seq), dtype=ids.dtype)
-        mask[i, width - len(seq):] = 1
-    return ids, mask
-
-
-__all__ = ["TurnStop", "left_padded", "trim", "turn_random_state"]
+__all__ = ["TurnStop", "trim", "turn_random_state"]

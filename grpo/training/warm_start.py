@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.training.pace import Pace, duration
+from grpo.training.padding import padded, padded_rows
 
 Report = Callable[[float, str], None]  # (percent done, what to show): the Prefect run's progress artifact
 
@@ -49,15 +50,10 @@ def supervised_warm_start(
     for step in range(steps):
         idx = torch.randint(n, (batch_size,), generator=gen).tolist()
         seqs = [encoded_prompts[i] + encoded_answers[i] + [eos] for i in idx]
-        width = max(map(len, seqs))
-        input_ids = torch.full((batch_size, width), pad)
-        labels = torch.full((batch_size, width), -100)
-        attention = torch.zeros((batch_size, width), dtype=torch.long)
-        for row, (i, seq) in enumerate(zip(idx, seqs)):
-            input_ids[row, : len(seq)] = torch.tensor(seq)
-            attention[row, : len(seq)] = 1
-            start = len(encoded_prompts[i])
-            labels[row, start : len(seq)] = torch.tensor(seq[start:])
+        input_ids, attention = padded_rows(seqs, pad, "right")
+        # the loss reads the answer and EOS only: the prompt's positions and the padding are -100
+        labels = padded([[-100] * len(encoded_prompts[i]) + seq[len(encoded_prompts[i]):]
+                         for i, seq in zip(idx, seqs)], -100, "right")
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
