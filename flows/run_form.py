@@ -116,14 +116,19 @@ def _for_form(prop: dict[str, Any], path: str) -> dict[str, Any]:
 @functools.cache
 def _preset_values() -> dict[str, dict[str, Any]]:
     """Each preset's resolved fields by dotted key, a mapping field (``environment.kwargs``) as its whole value too,
-    not only its keys; a preset that does not load on this machine (the GPU preset without vLLM) is left out of the
-    form's descriptions."""
+    not only its keys. The GPU preset is listed on a machine without vLLM too (the Preset dropdown offers it, and
+    "every preset: 256" would be wrong for it): its values are read with ``grpo.use_vllm`` off, then shown as its
+    YAML sets it. A preset that does not load even so is left out."""
     values = {}
     for name in presets():
         try:
             values[name] = _every_path(load_config(name).model_dump(mode="json", by_alias=True))
         except GRPOPlatformError:
-            continue
+            try:
+                values[name] = _every_path(load_config(name, ["grpo.use_vllm=false"]).model_dump(
+                    mode="json", by_alias=True)) | {"grpo.use_vllm": True}
+            except GRPOPlatformError:
+                continue
     return values
 
 
@@ -257,8 +262,9 @@ PresetChoice = _form({  # null stays valid for API callers that run a whole conf
 })
 RunName = _form({
     "type": "string", "title": "MLflow run name",
-    "description": "Also the run's folder under the output directory. Empty: a new name is generated. An existing run "
-                   "is never overwritten: switch on Resume to continue it.",
+    "description": "Also the run's folder under the output directory. Empty: the preset's name and the Prefect run's "
+                   "name (Run Name at the top), e.g. tiny-beta870-armus-expanse. An existing run is never "
+                   "overwritten: switch on Resume to continue it.",
 })
 Resume = _form({
     "type": "boolean", "title": "Resume",

@@ -177,7 +177,7 @@ def summarize_for_ui(summary: dict[str, Any]) -> str:
              ("run directory", f"`{summary.get('run_dir', '—')}`"),
              ("MLflow run", f"`{summary.get('mlflow_run_id') or '— (tracking off)'}`")]
     table = "\n".join(f"| {name} | {value} |" for name, value in rows)
-    return f"## GRPO run `{summary.get('run_name', '')}`\n\n| | |\n| --- | --- |\n{table}\n"
+    return f"## GRPO run `{summary.get('run_name', '')}`\n\n| measure | value |\n| --- | --- |\n{table}\n"
 
 
 __all__ = ["prep_flow", "plan_flow", "policy_flow", "eval_flow", "RunDir", "dataset_summary", "dataset_table",

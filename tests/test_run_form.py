@@ -64,8 +64,12 @@ def test_each_fields_help_names_every_presets_value_mappings_whole():
     {}" read from the presets where it happens to be empty; registered names are the dropdowns' options."""
     env = section_schemas()["environment_settings"]["properties"]
     assert env["kwargs"]["description"].endswith(
-        "Presets tiny: {}; tiny-calculator: {tool: on}; tiny-calculator-agent: {agent: calculator_agent}; "
-        "tiny-guess-digit: {}.")
+        "Presets qwen2.5-0.5b-gsm8k: {}; tiny: {}; tiny-calculator: {tool: on}; "
+        "tiny-calculator-agent: {agent: calculator_agent}; tiny-guess-digit: {}.")
+    # the GPU preset is in the Preset dropdown on a machine without vLLM too, so its values are in the help
+    grpo = section_schemas()["grpo_settings"]["properties"]
+    assert "qwen2.5-0.5b-gsm8k: 16" in grpo["per_device_train_batch_size"]["description"]
+    assert "qwen2.5-0.5b-gsm8k: true" in grpo["use_vllm"]["description"]
     from grpo.environments.agents import AGENTS
 
     # registered names (a module that registered its own agents in this process adds them), the built-in among them
