@@ -30,7 +30,11 @@ HARMLESS_LOG_RECORDS = [("transformers.trainer_utils", "mtime may not be reliabl
                         # model.lora: how MLflow stores a peft model (adapter, base referenced), said per logged model
                         ("mlflow.transformers", "Overriding save_pretrained to False for PEFT models"),
                         ("mlflow.transformers", "Using local base model path"),
-                        ("mlflow.transformers", "Saving only pipeline components")]
+                        ("mlflow.transformers", "Saving only pipeline components"),
+                        # `grpo run` without a Prefect server: Prefect starts and stops a temporary one around the
+                        # run, an internal detail (the docs call it embedded), said at the start and after the result
+                        ("prefect", "Starting temporary server"),
+                        ("prefect", "Stopping temporary server")]
 
 
 class _DropRecords(logging.Filter):

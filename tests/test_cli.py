@@ -60,14 +60,74 @@ def test_validate_prints_resolved_config(tmp_path):
     assert "beta: 0.1" in result.stdout and "carry_error_rate: 0.6" in result.stdout
 
 
+def test_prefects_temporary_server_lines_stay_out_of_the_console():
+    """``grpo run``'s embedded Prefect (no server configured) starts a temporary server; its "Starting temporary
+    server ... See https://docs.prefect.io/..." and "Stopping temporary server" lines, after the run's result, are
+    dropped where Prefect logs them; its other records are not."""
+    import logging
+
+    from prefect.logging import get_logger
+
+    from grpo.console import quiet_library_noise
+
+    quiet_library_noise()
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = get_logger()  # the logger Prefect's SubprocessASGIServer says both lines on
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # as Prefect's logging config sets it in a run
+    try:
+        logger.info("Starting temporary server on http://127.0.0.1:8050\nSee https://docs.prefect.io/v3/concepts/server")
+        logger.info("Stopping temporary server on http://127.0.0.1:8050")
+        logger.info("Flow run 'x' - Finished in state Completed()")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert seen == ["Flow run 'x' - Finished in state Completed()"]
+
+
+def test_serve_says_a_waiting_run_once_not_at_every_poll():
+    """While a run waits for ``grpo serve``'s free slot, Prefect's runner logs "1 scheduled runs skipped (at
+    capacity)" at every poll (about every 10 s): said once, and again when the count changes."""
+    import logging
+
+    from grpo.app.serve import quiet_server_gone_noise
+
+    quiet_server_gone_noise()
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("prefect.runner")  # Prefect's get_logger("runner"), where the poller logs it
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        for count in (1, 1, 1, 2, 2, 1):
+            logger.info("%d scheduled runs skipped (at capacity)", count)
+        logger.info("Runner 'grpo-serve' submitting flow run 'x'")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert seen == ["1 scheduled runs skipped (at capacity)", "2 scheduled runs skipped (at capacity)",
+                    "1 scheduled runs skipped (at capacity)", "Runner 'grpo-serve' submitting flow run 'x'"]
+
+
 def test_run_requires_a_config(tmp_path):
     result = grpo("run", cwd=tmp_path)
     assert result.returncode == 2 and "--config" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_rewards_lists_builtins(tmp_path):
+    """One line each, a whole first sentence in plain text: a docstring's first line ended mid-sentence
+    (env_reward's ``... the``) and showed reStructuredText's double backticks."""
     result = grpo("rewards", cwd=tmp_path)
     assert result.returncode == 0 and "exact_match" in result.stdout and "digits_format" in result.stdout
+    lines = result.stdout.strip().splitlines()
+    assert all(line.rstrip().endswith(".") and "``" not in line for line in lines), lines
+    assert any(line.startswith("env_reward") and "the column env_reward the episode runner adds)." in line
+               for line in lines), lines
 
 
 def test_missing_reward_module_from_the_environment_is_one_line_exit_2(tmp_path):

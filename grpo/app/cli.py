@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 from contextlib import contextmanager
@@ -219,9 +220,11 @@ def run(
             run_dir = check_run_dir(cfg, name, resume)  # fail fast, before Prefect or MLflow start
             typer.echo(f"run: {run_dir.path}")
             from flows.pipeline import grpo_pipeline
+            from grpo.console import quiet_library_noise
             from grpo.pipeline.run_context import RunContext
 
             _log_to_file(run_dir.path / "run.log")
+            quiet_library_noise()  # before the flow call starts Prefect's temporary server (its start line)
             context = RunContext()  # collects the flow runs to cancel when stopped; the flow finds it by run dir
             with _stoppable(f"checkpoints and metrics so far are in {run_dir.path}; continue with --resume "
                             f"--run-name {name}", context.flow_runs), context.registered(run_dir.path):
@@ -418,8 +421,7 @@ def rewards(reward_module: RewardModuleOpt = None) -> None:
     except GRPOPlatformError as err:
         _fail(str(err))
     for name in available_rewards():
-        doc = (get_reward(name).__doc__ or "").strip().splitlines()
-        typer.echo(f"{name:20s} {doc[0] if doc else ''}")
+        typer.echo(f"{name:20s} {first_sentence(get_reward(name).__doc__)}")
 
 
 @app.command()
@@ -444,8 +446,15 @@ def environments(env_module: EnvModuleOpt = None) -> None:
     for title, (names, get) in sections.items():
         typer.echo(f"{title}:")
         for name in names:
-            doc = (get(name).__doc__ or "").strip().splitlines()
-            typer.echo(f"  {name:20s} {doc[0] if doc else ''}")
+            typer.echo(f"  {name:20s} {first_sentence(get(name).__doc__)}")
+
+
+def first_sentence(doc: str | None) -> str:
+    """A docstring's first sentence as one line of plain text: its first paragraph's lines joined (a sentence that
+    wraps is not cut at its line end) and reStructuredText's double backticks dropped."""
+    paragraph = " ".join((doc or "").strip().split("\n\n")[0].split()).replace("``", "")
+    end = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s|$)", paragraph)
+    return paragraph[: end.start() + 1] if end else paragraph
 
 
 @app.command()

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -297,12 +298,35 @@ class _ServerGoneNoise(logging.Filter):
         return True
 
 
+class _AtCapacityOnce(logging.Filter):
+    """Prefect's runner says "N scheduled runs skipped (at capacity)" at every poll (about every 10 s) while a run
+    waits for a free slot (``--limit``): said again only when N changes, or after :attr:`REPEAT_SECONDS`."""
+
+    REPEAT_SECONDS = 300.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: tuple[object, float] | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%d scheduled runs skipped (at capacity)":
+            return True
+        count, now = record.args[0] if record.args else None, time.monotonic()
+        if self.last is not None and self.last[0] == count and now - self.last[1] < self.REPEAT_SECONDS:
+            return False
+        self.last = (count, now)
+        return True
+
+
 def quiet_server_gone_noise() -> None:
-    """Install :class:`_ServerGoneNoise` (idempotent)."""
+    """Install :class:`_ServerGoneNoise` and :class:`_AtCapacityOnce` (idempotent)."""
     for name in ("prefect.FlowRunCancellingObserver", "asyncio"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _ServerGoneNoise) for f in logger.filters):
             logger.addFilter(_ServerGoneNoise())
+    runner = logging.getLogger("prefect.runner")
+    if not any(isinstance(f, _AtCapacityOnce) for f in runner.filters):
+        runner.addFilter(_AtCapacityOnce())
 
 
 SERVER_CHECK_SECONDS = 2.0
