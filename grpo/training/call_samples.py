@@ -33,7 +33,7 @@ import torch
 from grpo.algo.group_balancing import BALANCED_ROWS, concat_rows, per_sample_keys
 from grpo.environments.episodes import Sample
 from grpo.training.off_policy import loss_mask
-from grpo.training.padding import padded
+from grpo.training.padding import padded, padded_rows
 
 Batch = dict[str, Any]
 
@@ -51,9 +51,10 @@ def sample_rows(samples: list[Sample], advantages: list[float], fillers: int, pa
     recorded log-probs; NaN where a sample has none: no correction, as TRL reads a missing one)."""
     filler = Sample([pad_token_id], [pad_token_id], [1], [0.0])
     rows = [*samples, *[filler] * fillers]
+    prompt_ids, prompt_mask = padded_rows([s.prompt_ids for s in rows], pad_token_id, "left")
     out = {
-        "prompt_ids": padded([s.prompt_ids for s in rows], pad_token_id, "left", torch.long),
-        "prompt_mask": padded([[1] * len(s.prompt_ids) for s in rows], 0, "left", torch.long),
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
         "completion_ids": padded([s.completion_ids for s in rows], pad_token_id, "right", torch.long),
         "completion_mask": padded([[int(i < len(samples))] * len(s.completion_ids) for i, s in enumerate(rows)], 0,
                                   "right", torch.long),

@@ -136,5 +136,4 @@ def trim(rows: list[list[int]], stop: TurnStop | None, eos_token_ids: Sequence[i
     return ends
 
 
-
 __all__ = ["TurnStop", "trim", "turn_random_state"]
